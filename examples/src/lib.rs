@@ -1,0 +1,2 @@
+//! Shared pieces of the vsan example programs (`vsan-node`, `vsan-demo`, `vsan-bench`).
+#![deny(missing_docs)]

@@ -1,0 +1,1 @@
+//! Placeholder: FaultyDevice is being written.

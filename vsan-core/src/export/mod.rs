@@ -1,0 +1,4 @@
+//! Protocols that export a [`BlockDevice`](crate::BlockDevice) to clients outside the
+//! process.
+
+pub mod nbd;

@@ -1,0 +1,1 @@
+//! NBD export (placeholder while the server is written).

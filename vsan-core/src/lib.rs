@@ -1,0 +1,42 @@
+//! # vsan-core
+//!
+//! The foundation of vsan: the [`BlockDevice`] trait every layer implements, the devices
+//! that sit at the bottom of a stack, and an NBD server that exports any of them.
+//!
+//! ```text
+//!  NBD clients (qemu, fio, nbdcopy, kernel)        Rust callers, vsan-ffi
+//!            |                                           |
+//!   export::nbd::Server  ---- Arc<dyn BlockDevice> ------+
+//!                                  |
+//!        MemDevice | FileDevice | FaultyDevice<D> (feature "test-utils")
+//!        (later layers: vsan-cache's WriteBackCache, vsan-replica's MirroredDisk)
+//! ```
+//!
+//! Main types: [`BlockDevice`], [`Geometry`], [`IoFlags`], [`Error`] / [`ErrorKind`],
+//! [`MemDevice`], [`FileDevice`], and [`export::nbd::Server`].
+//!
+//! ```
+//! use bytes::Bytes;
+//! use vsan_core::{BlockDevice, ErrorKind, Geometry, IoFlags, MemDevice};
+//!
+//! # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(async {
+//! let disk = MemDevice::new(Geometry::new(1 << 20, 512)?);
+//! disk.write(4096, Bytes::from(vec![0xa5; 4096]), IoFlags::FUA).await?;
+//! assert_eq!(disk.read(4096, 4096).await?, vec![0xa5; 4096]);
+//! // Bad input is refused with a kind the caller can match, and changes nothing.
+//! let err = disk.write(100, Bytes::from(vec![1; 512]), IoFlags::empty()).await.unwrap_err();
+//! assert_eq!(err.kind(), ErrorKind::InvalidArgument);
+//! # Ok::<(), vsan_core::Error>(()) }).unwrap();
+//! ```
+#![deny(missing_docs)]
+
+pub mod device;
+pub mod error;
+pub mod export;
+
+pub use device::{
+    BlockDevice, FileDevice, FileOptions, Geometry, IoFlags, IoFuture, MemDevice, Op,
+};
+#[cfg(all(feature = "test-utils", any()))]
+pub use device::{FaultConfig, FaultyDevice, OpKind, PowerCut};
+pub use error::{Error, ErrorKind, Result};
