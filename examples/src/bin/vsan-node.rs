@@ -1,0 +1,299 @@
+//! `vsan-node --config node.toml`: the appliance daemon.
+//!
+//! Opens (or creates) every configured disk, exports each over NBD at its `nbd` address
+//! (disks sharing an address are exports of one server; the empty export name selects
+//! the only disk on an address), and on SIGINT/SIGTERM stops accepting, lets requests in
+//! flight finish, flushes every disk and exits 0.
+//!
+//! Exit codes: 0 clean shutdown, 1 runtime failure, 2 bad configuration (one line on
+//! stderr naming the key and the problem).
+//!
+//! Once all listeners are bound it prints one line per disk on stdout,
+//! `ready disk=<name> nbd=<address>`, with the actual port when the config said port 0.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Parser;
+use tokio::net::{TcpListener, UnixListener};
+use tracing::{error, info, warn};
+use vsan_core::export::nbd::{Export, Server};
+use vsan_core::{BlockDevice, ErrorKind, FileOptions, Geometry, MemDevice};
+use vsan_examples::config::{Backing, Config, NbdAddr};
+
+/// How long shutdown waits for clients to finish their requests.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
+
+#[derive(Parser, Debug)]
+#[command(
+    version,
+    about = "vsan node daemon: serves the configured disks over NBD"
+)]
+struct Args {
+    /// Path of the node configuration (TOML).
+    #[arg(long, short)]
+    config: PathBuf,
+}
+
+/// Why the node could not start.
+enum StartError {
+    Config(String),
+    Runtime(String),
+}
+
+struct Disk {
+    name: String,
+    device: Arc<dyn BlockDevice>,
+}
+
+enum Listener {
+    Tcp(TcpListener),
+    Unix(UnixListener, PathBuf),
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+
+    let config = match Config::load(&args.config) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("vsan-node: config error in {}: {e}", args.config.display());
+            return ExitCode::from(2);
+        }
+    };
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("vsan-node: cannot start the runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match rt.block_on(run(config)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(StartError::Config(msg)) => {
+            eprintln!(
+                "vsan-node: config error in {}: {msg}",
+                args.config.display()
+            );
+            ExitCode::from(2)
+        }
+        Err(StartError::Runtime(msg)) => {
+            error!("{msg}");
+            eprintln!("vsan-node: {msg}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+async fn run(config: Config) -> Result<(), StartError> {
+    let node = &config.node;
+    info!(id = node.id, data_dir = %node.data_dir.display(), "vsan-node starting");
+    for (what, v) in [
+        ("listen", &node.listen),
+        ("mgmt", &node.mgmt),
+        ("witness", &node.witness),
+    ] {
+        if let Some(v) = v {
+            warn!("node.{what} = {v:?} is accepted but not used yet in this build");
+        }
+    }
+    if !config.peer.is_empty() {
+        warn!(
+            peers = config.peer.len(),
+            "[[peer]] sections are accepted but no disk mirrors yet"
+        );
+    }
+
+    let mut disks = Vec::new();
+    for (i, d) in config.disk.iter().enumerate() {
+        let key = |k: &str| format!("key `disk[{i}].{k}`");
+        let device: Arc<dyn BlockDevice> = match d.backing {
+            Backing::Mem => {
+                let g = Geometry::new(d.size.0, d.block_size)
+                    .map_err(|e| StartError::Config(format!("{}: {e}", key("size"))))?;
+                info!(disk = %d.name, size = d.size.0, "RAM disk created");
+                Arc::new(MemDevice::new(g))
+            }
+            Backing::File => {
+                let path = d.image_path(&node.data_dir);
+                if let Some(parent) = path.parent() {
+                    std::fs::create_dir_all(parent).map_err(|e| {
+                        StartError::Runtime(format!("cannot create {}: {e}", parent.display()))
+                    })?;
+                }
+                let existed = path.exists();
+                let dev = FileOptions::new()
+                    .block_size(d.block_size)
+                    .direct(d.direct)
+                    .create(d.size.0)
+                    .open(&path)
+                    .map_err(|e| match e.kind() {
+                        ErrorKind::InvalidArgument => {
+                            StartError::Config(format!("{}: {e}", key("size")))
+                        }
+                        _ => StartError::Runtime(format!("disk {}: {e}", d.name)),
+                    })?;
+                info!(disk = %d.name, path = %path.display(), size = d.size.0, direct = d.direct,
+                    "{}", if existed { "image opened" } else { "image created" });
+                Arc::new(dev)
+            }
+        };
+        disks.push((
+            d,
+            Disk {
+                name: d.name.clone(),
+                device,
+            },
+        ));
+    }
+
+    // Group disks by NBD address: one server (and listener) per address.
+    let mut by_addr: BTreeMap<String, (NbdAddr, Vec<Export>, Vec<String>, usize)> = BTreeMap::new();
+    for (i, (d, disk)) in disks.iter().enumerate() {
+        let Some(nbd) = &d.nbd else {
+            warn!(disk = %disk.name, "no `nbd` address: the disk is not exported");
+            continue;
+        };
+        let addr = NbdAddr::parse(nbd)
+            .map_err(|m| StartError::Config(format!("key `disk[{i}].nbd`: {m}")))?;
+        let entry = by_addr
+            .entry(addr.to_string())
+            .or_insert_with(|| (addr, Vec::new(), Vec::new(), i));
+        entry.1.push(
+            Export::new(&disk.name, Arc::clone(&disk.device))
+                .with_description(format!("vsan disk {}", disk.name)),
+        );
+        entry.2.push(disk.name.clone());
+    }
+
+    let mut servers = Vec::new();
+    let mut ready_lines = Vec::new();
+    for (_, (addr, exports, names, first)) in by_addr {
+        let key = format!("key `disk[{first}].nbd`");
+        let listener = bind(&addr).await.map_err(|e| {
+            if e.kind() == std::io::ErrorKind::AddrInUse {
+                StartError::Config(format!("{key}: address {addr} is already in use"))
+            } else {
+                StartError::Config(format!("{key}: cannot listen on {addr}: {e}"))
+            }
+        })?;
+        let shown = match &listener {
+            Listener::Tcp(l) => l
+                .local_addr()
+                .map(|a| a.to_string())
+                .unwrap_or_else(|_| addr.to_string()),
+            Listener::Unix(_, p) => format!("unix:{}", p.display()),
+        };
+        for n in &names {
+            ready_lines.push(format!("ready disk={n} nbd={shown}"));
+        }
+        let server = Server::new(exports).map_err(|e| StartError::Config(e.to_string()))?;
+        servers.push((server, listener));
+    }
+
+    let mut tasks = Vec::new();
+    let mut sockets = Vec::new();
+    let mut running = Vec::new();
+    for (server, listener) in servers {
+        let s = server.clone();
+        tasks.push(match listener {
+            Listener::Tcp(l) => tokio::spawn(async move { s.serve_tcp(l).await }),
+            Listener::Unix(l, path) => {
+                sockets.push(path);
+                tokio::spawn(async move { s.serve_unix(l).await })
+            }
+        });
+        running.push(server);
+    }
+    let servers = running;
+    for line in &ready_lines {
+        println!("{line}");
+    }
+    info!(
+        disks = disks.len(),
+        exports = ready_lines.len(),
+        "vsan-node ready"
+    );
+
+    wait_for_signal().await.map_err(StartError::Runtime)?;
+    info!("shutting down: no new connections or requests; finishing requests in flight");
+    for server in &servers {
+        server.shutdown();
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+    let drained = tokio::time::timeout(DRAIN_TIMEOUT, async {
+        for server in &servers {
+            server.wait_idle().await;
+        }
+    })
+    .await;
+    if drained.is_err() {
+        warn!("some clients did not finish within {DRAIN_TIMEOUT:?}; closing them");
+    }
+    let mut failed = false;
+    for (_, disk) in &disks {
+        match disk.device.flush().await {
+            Ok(()) => info!(disk = %disk.name, "flushed"),
+            Err(e) => {
+                error!(disk = %disk.name, "final flush failed: {e}");
+                failed = true;
+            }
+        }
+    }
+    for path in &sockets {
+        let _ = std::fs::remove_file(path);
+    }
+    if failed {
+        return Err(StartError::Runtime(
+            "final flush failed; data may not be durable".into(),
+        ));
+    }
+    info!("vsan-node stopped cleanly");
+    Ok(())
+}
+
+async fn bind(addr: &NbdAddr) -> std::io::Result<Listener> {
+    match addr {
+        NbdAddr::Tcp(a) => Ok(Listener::Tcp(TcpListener::bind(a).await?)),
+        NbdAddr::Unix(p) => {
+            if p.exists() {
+                // A socket someone still answers on is in use; a dead one is stale.
+                if tokio::net::UnixStream::connect(p).await.is_ok() {
+                    return Err(std::io::Error::from(std::io::ErrorKind::AddrInUse));
+                }
+                std::fs::remove_file(p)?;
+            }
+            if let Some(parent) = p.parent() {
+                std::fs::create_dir_all(parent)?;
+            }
+            Ok(Listener::Unix(UnixListener::bind(p)?, p.clone()))
+        }
+    }
+}
+
+async fn wait_for_signal() -> Result<(), String> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut int =
+        signal(SignalKind::interrupt()).map_err(|e| format!("cannot watch SIGINT: {e}"))?;
+    let mut term =
+        signal(SignalKind::terminate()).map_err(|e| format!("cannot watch SIGTERM: {e}"))?;
+    tokio::select! {
+        _ = int.recv() => info!("SIGINT received"),
+        _ = term.recv() => info!("SIGTERM received"),
+    }
+    Ok(())
+}
