@@ -12,10 +12,13 @@ use crate::error::Result;
 
 const SEGMENT: usize = 64 << 10;
 
+/// One segment: `None` until first written (reads as zeros).
+type Segment = RwLock<Option<Box<[u8]>>>;
+
 /// A sparse in-memory block device.
 pub struct MemDevice {
     geometry: Geometry,
-    segments: Box<[RwLock<Option<Box<[u8]>>>]>,
+    segments: Box<[Segment]>,
 }
 
 impl std::fmt::Debug for MemDevice {

@@ -1,0 +1,359 @@
+//! `vsan-bench`: whole-system benchmarks, always side by side with a baseline measured in
+//! the same run.
+//!
+//! `vsan-bench nbd` runs fio's nbd engine (4 KiB random reads and writes, iodepth 32,
+//! over a Unix socket) against `vsan-node`, nbdkit's file plugin and `qemu-nbd -f raw -t`,
+//! each exporting the same kind of freshly filled file, alternating the servers within
+//! each round so drift on a noisy machine hits all of them alike. It prints IOPS, p50/p99
+//! completion latency, and each server's ratio to nbdkit. A server whose program is not
+//! installed is reported as missing, not silently dropped.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::time::{Duration, Instant};
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser, Debug)]
+#[command(version, about = "vsan benchmarks against the tools users run today")]
+struct Args {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// fio 4K randread/randwrite over NBD: vsan-node vs nbdkit vs qemu-nbd.
+    Nbd {
+        /// Seconds per fio run.
+        #[arg(long, default_value_t = 20)]
+        seconds: u32,
+        /// Rounds (each round runs every server once per workload, in rotating order).
+        #[arg(long, default_value_t = 1)]
+        rounds: u32,
+        /// Size of the exported file in MiB.
+        #[arg(long, default_value_t = 1024)]
+        size_mib: u64,
+        /// fio iodepth.
+        #[arg(long, default_value_t = 32)]
+        iodepth: u32,
+        /// Work directory (default: target/vsan-bench).
+        #[arg(long)]
+        work_dir: Option<PathBuf>,
+        /// Path of vsan-node (default: next to this binary).
+        #[arg(long)]
+        vsan_node: Option<PathBuf>,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ServerKind {
+    Vsan,
+    Nbdkit,
+    QemuNbd,
+}
+
+impl ServerKind {
+    fn name(self) -> &'static str {
+        match self {
+            ServerKind::Vsan => "vsan-node",
+            ServerKind::Nbdkit => "nbdkit file",
+            ServerKind::QemuNbd => "qemu-nbd",
+        }
+    }
+}
+
+#[derive(Debug, Default, Clone)]
+struct Sample {
+    iops: Vec<f64>,
+    p50_us: Vec<f64>,
+    p99_us: Vec<f64>,
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() {
+        f64::NAN
+    } else {
+        v[v.len() / 2]
+    }
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let result = match args.cmd {
+        Cmd::Nbd {
+            seconds,
+            rounds,
+            size_mib,
+            iodepth,
+            work_dir,
+            vsan_node,
+        } => nbd_bench(seconds, rounds, size_mib, iodepth, work_dir, vsan_node),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("vsan-bench: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+type BoxError = Box<dyn std::error::Error>;
+
+fn have(tool: &str) -> bool {
+    Command::new(tool)
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok()
+}
+
+fn exe_dir() -> PathBuf {
+    std::env::current_exe()
+        .ok()
+        .and_then(|p| p.parent().map(Path::to_path_buf))
+        .unwrap_or_default()
+}
+
+/// Fill `path` with `size` bytes of non-zero data so reads hit real extents, not holes.
+fn fill(path: &Path, size: u64) -> Result<(), BoxError> {
+    let mut f = std::fs::File::create(path)?;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    for chunk in buf.chunks_exact_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        chunk.copy_from_slice(&x.to_le_bytes());
+    }
+    for _ in 0..size >> 20 {
+        f.write_all(&buf)?;
+    }
+    f.sync_all()?;
+    Ok(())
+}
+
+struct Running {
+    child: Child,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        // SIGTERM first so vsan-node flushes and exits cleanly; then make sure.
+        let pid = rustix::process::Pid::from_child(&self.child);
+        let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn wait_for_socket(sock: &Path, child: &mut Child) -> Result<(), BoxError> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < deadline {
+        if std::os::unix::net::UnixStream::connect(sock).is_ok() {
+            return Ok(());
+        }
+        if let Some(status) = child.try_wait()? {
+            return Err(format!("server exited early: {status}").into());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Err(format!("server did not listen on {} in time", sock.display()).into())
+}
+
+fn start(
+    kind: ServerKind,
+    dir: &Path,
+    image: &Path,
+    size: u64,
+    vsan_node: &Path,
+) -> Result<(Running, PathBuf), BoxError> {
+    let sock = dir.join(format!("{}.sock", kind.name().replace(' ', "-")));
+    let _ = std::fs::remove_file(&sock);
+    let mut cmd = match kind {
+        ServerKind::Vsan => {
+            let cfg = dir.join("node.toml");
+            std::fs::write(
+                &cfg,
+                format!(
+                    "[node]\nid = 1\ndata_dir = {:?}\n\n[[disk]]\nname = \"bench\"\nsize = {size}\npath = {:?}\nnbd = \"unix:{}\"\n",
+                    dir.display().to_string(),
+                    image.display().to_string(),
+                    sock.display()
+                ),
+            )?;
+            let mut c = Command::new(vsan_node);
+            c.arg("--config").arg(cfg).env("RUST_LOG", "warn");
+            c
+        }
+        ServerKind::Nbdkit => {
+            let mut c = Command::new("nbdkit");
+            c.args(["-f", "-U"]).arg(&sock).arg("file").arg(image);
+            c
+        }
+        ServerKind::QemuNbd => {
+            let mut c = Command::new("qemu-nbd");
+            c.args(["-f", "raw", "-t", "-k"]).arg(&sock).arg(image);
+            c
+        }
+    };
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()?;
+    wait_for_socket(&sock, &mut child)?;
+    Ok((Running { child }, sock))
+}
+
+fn fio(
+    sock: &Path,
+    rw: &str,
+    seconds: u32,
+    iodepth: u32,
+    size: u64,
+) -> Result<(f64, f64, f64), BoxError> {
+    let out = Command::new("fio")
+        .args([
+            "--name=bench",
+            "--ioengine=nbd",
+            &format!("--uri=nbd+unix:///?socket={}", sock.display()),
+            &format!("--rw={rw}"),
+            "--bs=4k",
+            &format!("--iodepth={iodepth}"),
+            &format!("--size={size}"),
+            "--time_based",
+            &format!("--runtime={seconds}"),
+            "--ramp_time=2",
+            "--norandommap",
+            "--randrepeat=0",
+            "--output-format=json",
+        ])
+        .output()?;
+    if !out.status.success() {
+        return Err(format!("fio failed: {}", String::from_utf8_lossy(&out.stderr)).into());
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    // fio may print notes before the JSON document.
+    let json = &text[text.find('{').ok_or("fio printed no JSON")?..];
+    let v: serde_json::Value = serde_json::from_str(json)?;
+    let side = if rw.contains("read") { "read" } else { "write" };
+    let job = &v["jobs"][0][side];
+    let iops = job["iops"].as_f64().ok_or("no iops in fio output")?;
+    let pct = &job["clat_ns"]["percentile"];
+    let p50 = pct["50.000000"].as_f64().unwrap_or(f64::NAN) / 1000.0;
+    let p99 = pct["99.000000"].as_f64().unwrap_or(f64::NAN) / 1000.0;
+    Ok((iops, p50, p99))
+}
+
+fn nbd_bench(
+    seconds: u32,
+    rounds: u32,
+    size_mib: u64,
+    iodepth: u32,
+    work_dir: Option<PathBuf>,
+    vsan_node: Option<PathBuf>,
+) -> Result<(), BoxError> {
+    if !have("fio") {
+        return Err("fio is not installed (apt-get install fio)".into());
+    }
+    let dir = work_dir.unwrap_or_else(|| {
+        exe_dir()
+            .parent()
+            .map(|t| t.join("vsan-bench"))
+            .unwrap_or_default()
+    });
+    std::fs::create_dir_all(&dir)?;
+    let vsan_node = vsan_node.unwrap_or_else(|| exe_dir().join("vsan-node"));
+    let mut kinds = vec![ServerKind::Vsan];
+    for (k, tool) in [
+        (ServerKind::Nbdkit, "nbdkit"),
+        (ServerKind::QemuNbd, "qemu-nbd"),
+    ] {
+        if have(tool) {
+            kinds.push(k);
+        } else {
+            println!(
+                "note: {tool} is not installed; {} is left out of this run",
+                k.name()
+            );
+        }
+    }
+    let size = size_mib << 20;
+    let image = dir.join("bench.img");
+    println!("filling {} ({size_mib} MiB)...", image.display());
+    fill(&image, size)?;
+
+    let workloads = ["randwrite", "randread"];
+    let mut results: Vec<(ServerKind, &str, Sample)> = Vec::new();
+    for &k in &kinds {
+        for w in workloads {
+            results.push((k, w, Sample::default()));
+        }
+    }
+    for round in 0..rounds {
+        // Rotate the order each round so no server always runs first (or last).
+        let mut order = kinds.clone();
+        order.rotate_left(round as usize % kinds.len());
+        for w in workloads {
+            for &k in &order {
+                let (server, sock) = start(k, &dir, &image, size, &vsan_node)?;
+                let (iops, p50, p99) = fio(&sock, w, seconds, iodepth, size)?;
+                drop(server);
+                println!(
+                    "round {} {:<10} {:<12} {:>10.0} IOPS  p50 {:>7.1} us  p99 {:>7.1} us",
+                    round + 1,
+                    w,
+                    k.name(),
+                    iops,
+                    p50,
+                    p99
+                );
+                if let Some((_, _, s)) = results.iter_mut().find(|(kk, ww, _)| *kk == k && *ww == w)
+                {
+                    s.iops.push(iops);
+                    s.p50_us.push(p50);
+                    s.p99_us.push(p99);
+                }
+            }
+        }
+    }
+
+    println!();
+    println!(
+        "fio nbd engine, 4 KiB, iodepth {iodepth}, {seconds} s per run, {rounds} round(s), Unix socket, {size_mib} MiB file (medians):"
+    );
+    println!("| workload | server | IOPS | p50 (us) | p99 (us) | vs nbdkit |");
+    println!("|---|---|---:|---:|---:|---:|");
+    for w in workloads {
+        let base = results
+            .iter()
+            .find(|(k, ww, _)| *k == ServerKind::Nbdkit && *ww == w)
+            .map(|(_, _, s)| median(&s.iops));
+        for (k, _, s) in results.iter().filter(|(_, ww, _)| *ww == w) {
+            let iops = median(&s.iops);
+            let ratio = base.map_or("n/a".to_string(), |b| format!("{:.2}x", iops / b));
+            println!(
+                "| {w} | {} | {:.0} | {:.1} | {:.1} | {ratio} |",
+                k.name(),
+                iops,
+                median(&s.p50_us),
+                median(&s.p99_us)
+            );
+        }
+    }
+    let _ = std::fs::remove_file(&image);
+    Ok(())
+}
