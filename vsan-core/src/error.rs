@@ -73,9 +73,7 @@ impl ErrorKind {
             K::TimedOut => ErrorKind::Timeout,
             K::AddrInUse => ErrorKind::InUse,
             K::NotFound => ErrorKind::NotFound,
-            K::BrokenPipe | K::ConnectionReset | K::ConnectionAborted | K::UnexpectedEof => {
-                ErrorKind::Closed
-            }
+            K::BrokenPipe | K::ConnectionReset | K::ConnectionAborted => ErrorKind::Closed,
             _ => ErrorKind::Io,
         }
     }
@@ -185,7 +183,7 @@ mod tests {
     fn display_has_context_kind_and_source() {
         let e = Error::io(
             "write 4096 bytes at 0",
-            std::io::Error::new(std::io::ErrorKind::Other, "disk on fire"),
+            std::io::Error::other("disk on fire"),
         );
         assert_eq!(e.kind(), ErrorKind::Io);
         assert_eq!(

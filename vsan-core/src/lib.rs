@@ -37,6 +37,6 @@ pub mod export;
 pub use device::{
     BlockDevice, FileDevice, FileOptions, Geometry, IoFlags, IoFuture, MemDevice, Op,
 };
-#[cfg(all(feature = "test-utils", any()))]
+#[cfg(feature = "test-utils")]
 pub use device::{FaultConfig, FaultyDevice, OpKind, PowerCut};
 pub use error::{Error, ErrorKind, Result};

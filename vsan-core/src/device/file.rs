@@ -104,15 +104,28 @@ impl FileDevice {
 
     fn open_with(path: &Path, opts: &FileOptions) -> Result<FileDevice> {
         let ctx = |what: &str| format!("{what} {}", path.display());
+        if let Some(want) = opts.size {
+            // Check the shape before anything touches the file system.
+            Geometry::new(want, opts.block_size).map_err(|e| e.context_prefix(path.display()))?;
+        }
         let mut oo = OpenOptions::new();
         oo.read(true).write(true);
-        if opts.size.is_some() {
-            oo.create(true);
-        }
         if opts.direct {
             oo.custom_flags(rustix::fs::OFlags::DIRECT.bits() as i32);
         }
-        let mut file = oo.open(path).map_err(|e| Error::io(ctx("open"), e))?;
+        // Only a file this call creates is sized; an existing one must already fit.
+        let (mut file, created) = match oo.open(path) {
+            Ok(f) => (f, false),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && opts.size.is_some() => {
+                let f = oo
+                    .clone()
+                    .create_new(true)
+                    .open(path)
+                    .map_err(|e| Error::io(ctx("create"), e))?;
+                (f, true)
+            }
+            Err(e) => return Err(Error::io(ctx("open"), e)),
+        };
         let meta = file.metadata().map_err(|e| Error::io(ctx("stat"), e))?;
         let block_device = meta.file_type().is_block_device();
         let current = if block_device {
@@ -122,11 +135,11 @@ impl FileDevice {
             meta.len()
         };
         let size = match opts.size {
-            Some(want) if current == 0 && !block_device => {
-                // Check the shape before touching the file.
-                Geometry::new(want, opts.block_size)?;
-                file.set_len(want)
-                    .map_err(|e| Error::io(ctx("set size of"), e))?;
+            Some(want) if created => {
+                if let Err(e) = file.set_len(want) {
+                    let _ = std::fs::remove_file(path);
+                    return Err(Error::io(ctx("set size of"), e));
+                }
                 want
             }
             Some(want) if want != current => {
@@ -142,14 +155,29 @@ impl FileDevice {
         };
         let geometry =
             Geometry::new(size, opts.block_size).map_err(|e| e.context_prefix(path.display()))?;
+        let inner = Inner {
+            file,
+            path: path.to_owned(),
+            geometry,
+            direct: opts.direct,
+            block_device,
+        };
+        if opts.direct {
+            // O_DIRECT needs requests aligned to the device's own sector or file system
+            // block; find out now rather than on the first misaligned request.
+            inner.read_at(0, opts.block_size as usize).map_err(|e| {
+                Error::new(
+                    ErrorKind::InvalidArgument,
+                    format!(
+                        "{}: O_DIRECT refuses {}-byte blocks here ({e}); use a larger block_size",
+                        path.display(),
+                        opts.block_size
+                    ),
+                )
+            })?;
+        }
         Ok(FileDevice {
-            inner: Arc::new(Inner {
-                file,
-                path: path.to_owned(),
-                geometry,
-                direct: opts.direct,
-                block_device,
-            }),
+            inner: Arc::new(inner),
         })
     }
 

@@ -31,13 +31,13 @@ use crate::error::{Error, ErrorKind, Result};
 mod file;
 mod mem;
 
-#[cfg(all(feature = "test-utils", any()))]
+#[cfg(feature = "test-utils")]
 mod faulty;
 
 pub use file::{FileDevice, FileOptions};
 pub use mem::MemDevice;
 
-#[cfg(all(feature = "test-utils", any()))]
+#[cfg(feature = "test-utils")]
 pub use faulty::{FaultConfig, FaultyDevice, OpKind, PowerCut};
 
 /// The future every [`BlockDevice`] operation returns: boxed so the trait stays usable as

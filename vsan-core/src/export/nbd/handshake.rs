@@ -27,6 +27,15 @@ pub(crate) enum Outcome {
     Closed,
 }
 
+/// A client that hangs up mid-negotiation has simply gone away (port probes do this).
+fn read_err(what: &str, e: std::io::Error) -> Error {
+    if e.kind() == std::io::ErrorKind::UnexpectedEof {
+        Error::with_source(ErrorKind::Closed, what, e)
+    } else {
+        Error::io(what, e)
+    }
+}
+
 fn proto_err(msg: impl Into<String>) -> Error {
     Error::new(ErrorKind::Protocol, msg)
 }
@@ -80,7 +89,7 @@ where
     let client_flags = s
         .read_u32()
         .await
-        .map_err(|e| Error::io("read client flags", e))?;
+        .map_err(|e| read_err("read client flags", e))?;
     if client_flags & !(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES) != 0 {
         return Err(proto_err(format!("unknown client flags {client_flags:#x}")));
     }
@@ -90,7 +99,7 @@ where
         let mut head = [0u8; 16];
         s.read_exact(&mut head)
             .await
-            .map_err(|e| Error::io("read option header", e))?;
+            .map_err(|e| read_err("read option header", e))?;
         let magic = u64::from_be_bytes(head[0..8].try_into().unwrap_or_default());
         let opt = u32::from_be_bytes(head[8..12].try_into().unwrap_or_default());
         let len = u32::from_be_bytes(head[12..16].try_into().unwrap_or_default());
@@ -103,7 +112,7 @@ where
         let mut data = vec![0u8; len as usize];
         s.read_exact(&mut data)
             .await
-            .map_err(|e| Error::io("read option data", e))?;
+            .map_err(|e| read_err("read option data", e))?;
         if len > MAX_OPTION_LEN {
             send_reply(s, opt, REP_ERR_TOO_BIG, b"option too long").await?;
             continue;
