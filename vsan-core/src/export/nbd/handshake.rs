@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use bytes::{BufMut, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio_util::sync::CancellationToken;
 
 use super::proto::*;
 use super::server::Export;
@@ -69,11 +70,29 @@ async fn send_info<S: AsyncWrite + Unpin>(
     send_reply(s, opt, REP_INFO, &b).await
 }
 
-/// Run negotiation on `s` against `exports`. `shutting_down` refuses new sessions.
+/// Read exactly `buf.len()` bytes, unless the server shuts down while waiting for them
+/// (`Ok(false)`): a client idle in negotiation must not hold up a shutdown. Bytes the
+/// client already sent are read first, so an option sent just before the shutdown still
+/// gets its `NBD_REP_ERR_SHUTDOWN` answer.
+async fn read_or_cancel<S: AsyncRead + Unpin>(
+    s: &mut S,
+    buf: &mut [u8],
+    cancel: &CancellationToken,
+    what: &str,
+) -> Result<bool> {
+    tokio::select! {
+        biased;
+        r = s.read_exact(buf) => r.map(|_| true).map_err(|e| read_err(what, e)),
+        _ = cancel.cancelled() => Ok(false),
+    }
+}
+
+/// Run negotiation on `s` against `exports`. Once `cancel` fires, options are refused
+/// with `NBD_REP_ERR_SHUTDOWN` and a waiting client is let go.
 pub(crate) async fn negotiate<S>(
     s: &mut S,
     exports: &[Arc<Export>],
-    shutting_down: bool,
+    cancel: &CancellationToken,
 ) -> Result<Outcome>
 where
     S: AsyncRead + AsyncWrite + Unpin,
@@ -86,10 +105,11 @@ where
         .await
         .map_err(|e| Error::io("send greeting", e))?;
 
-    let client_flags = s
-        .read_u32()
-        .await
-        .map_err(|e| read_err("read client flags", e))?;
+    let mut flags = [0u8; 4];
+    if !read_or_cancel(s, &mut flags, cancel, "read client flags").await? {
+        return Ok(Outcome::Closed);
+    }
+    let client_flags = u32::from_be_bytes(flags);
     if client_flags & !(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES) != 0 {
         return Err(proto_err(format!("unknown client flags {client_flags:#x}")));
     }
@@ -97,9 +117,9 @@ where
 
     loop {
         let mut head = [0u8; 16];
-        s.read_exact(&mut head)
-            .await
-            .map_err(|e| read_err("read option header", e))?;
+        if !read_or_cancel(s, &mut head, cancel, "read option header").await? {
+            return Ok(Outcome::Closed);
+        }
         let magic = u64::from_be_bytes(head[0..8].try_into().unwrap_or_default());
         let opt = u32::from_be_bytes(head[8..12].try_into().unwrap_or_default());
         let len = u32::from_be_bytes(head[12..16].try_into().unwrap_or_default());
@@ -110,9 +130,10 @@ where
             return Err(proto_err(format!("option {opt} with absurd length {len}")));
         }
         let mut data = vec![0u8; len as usize];
-        s.read_exact(&mut data)
-            .await
-            .map_err(|e| read_err("read option data", e))?;
+        if !read_or_cancel(s, &mut data, cancel, "read option data").await? {
+            return Ok(Outcome::Closed);
+        }
+        let shutting_down = cancel.is_cancelled();
         if len > MAX_OPTION_LEN {
             send_reply(s, opt, REP_ERR_TOO_BIG, b"option too long").await?;
             continue;

@@ -38,6 +38,8 @@ const OUT_HIGH_WATER: usize = 8 << 20;
 const MAX_WRITE_PAYLOAD: u32 = 64 << 20;
 /// Bytes asked of the socket per read when nothing larger is pending.
 const READ_CHUNK: usize = 256 << 10;
+/// How long a closing connection keeps draining unread client input.
+const LINGER: Duration = Duration::from_secs(2);
 /// How long a client may take to finish negotiation.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -239,10 +241,9 @@ impl Server {
             .fetch_add(1, Ordering::Relaxed)
             + 1;
         debug!(%peer, connection = n, "client connected");
-        let shutting_down = self.shared.cancel.is_cancelled();
         let outcome = tokio::time::timeout(
             HANDSHAKE_TIMEOUT,
-            negotiate(&mut stream, &self.shared.exports, shutting_down),
+            negotiate(&mut stream, &self.shared.exports, &self.shared.cancel),
         )
         .await
         .map_err(|_| Error::new(ErrorKind::Timeout, "negotiation took too long"))??;
@@ -403,6 +404,19 @@ impl<'a> Connection<'a> {
         .await?;
         // Orderly close; the client may already be gone, which is fine.
         let _ = poll_fn(|cx| Pin::new(&mut *stream).poll_shutdown(cx)).await;
+        // Closing a socket with unread input makes the kernel send a reset, which would
+        // destroy replies still queued for the client. Read and drop what the client still
+        // sends (requests we never started) until it closes, for a bounded time.
+        let _ = tokio::time::timeout(LINGER, async {
+            let mut scratch = [0u8; 16 << 10];
+            loop {
+                match tokio::io::AsyncReadExt::read(&mut *stream, &mut scratch).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(_) => {}
+                }
+            }
+        })
+        .await;
         Ok(())
     }
 
@@ -525,9 +539,10 @@ impl<'a> Connection<'a> {
         let dev: &'a dyn BlockDevice = self.export.device.as_ref();
         let writes = matches!(req.kind, CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES);
         let allowed_flags = match req.kind {
-            CMD_WRITE | CMD_TRIM => CMD_FLAG_FUA,
             CMD_WRITE_ZEROES => CMD_FLAG_FUA | CMD_FLAG_NO_HOLE,
-            _ => 0,
+            // FUA is advertised, and the spec has servers accept (and ignore) it on
+            // commands that write nothing; real clients do set it on reads and flushes.
+            _ => CMD_FLAG_FUA,
         };
         if req.flags & !allowed_flags != 0 {
             return self.encode(reply_err(EINVAL));
