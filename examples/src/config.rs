@@ -219,10 +219,10 @@ impl Config {
     /// (mirroring, the cache) are refused here with a message that says so, rather than
     /// accepted and ignored.
     pub fn parse(text: &str) -> Result<Config, ConfigError> {
-        let de = toml::Deserializer::parse(text).map_err(|e| err("", one_line(&e.to_string())))?;
+        let de = toml::Deserializer::parse(text).map_err(|e| err("", e.message().to_string()))?;
         let cfg: Config = serde_path_to_error::deserialize(de).map_err(|e| {
             let key = e.path().to_string();
-            let inner = one_line(&e.inner().to_string());
+            let inner = e.inner().message().to_string();
             err(if key == "." { String::new() } else { key }, inner)
         })?;
         cfg.check()?;
@@ -321,15 +321,6 @@ impl Config {
     }
 }
 
-fn one_line(s: &str) -> String {
-    // toml's messages carry a source snippet over several lines; the first line says it.
-    s.lines()
-        .map(str::trim)
-        .find(|l| !l.is_empty())
-        .unwrap_or("invalid configuration")
-        .to_string()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -360,8 +351,10 @@ nbd = "127.0.0.1:10809"
     fn errors_name_the_key() {
         let e = Config::parse(&GOOD.replace("nbd =", "sizee = 1\nnbd =")).unwrap_err();
         assert_eq!(e.key, "disk[0].sizee", "{e}");
+        assert!(e.message.contains("unknown field `sizee`"), "{e}");
         let e = Config::parse(&GOOD.replace("\"1GiB\"", "\"12 parsecs\"")).unwrap_err();
         assert_eq!(e.key, "disk[0].size", "{e}");
+        assert!(e.message.contains("\"12 parsecs\" is not a size"), "{e}");
         let e = Config::parse(&GOOD.replace("\"1GiB\"", "1000")).unwrap_err();
         assert_eq!(e.key, "disk[0].size", "{e}");
         assert!(e.message.contains("multiple of the block size"), "{e}");

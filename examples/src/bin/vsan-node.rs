@@ -12,7 +12,7 @@
 //! `ready disk=<name> nbd=<address>`, with the actual port when the config said port 0.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,7 +22,7 @@ use tokio::net::{TcpListener, UnixListener};
 use tracing::{error, info, warn};
 use vsan_core::export::nbd::{Export, Server};
 use vsan_core::{BlockDevice, ErrorKind, FileOptions, Geometry, MemDevice};
-use vsan_examples::config::{Backing, Config, NbdAddr};
+use vsan_examples::config::{Backing, Config, DiskSection, NbdAddr};
 
 /// How long shutdown waits for clients to finish their requests.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
@@ -116,72 +116,25 @@ async fn run(config: Config) -> Result<(), StartError> {
         );
     }
 
-    let mut disks = Vec::new();
+    // Bind every listener first: a busy address must refuse the start before any image
+    // is created. Disks sharing an address become exports of one server.
+    let mut by_addr: BTreeMap<String, (NbdAddr, Vec<usize>)> = BTreeMap::new();
     for (i, d) in config.disk.iter().enumerate() {
-        let key = |k: &str| format!("key `disk[{i}].{k}`");
-        let device: Arc<dyn BlockDevice> = match d.backing {
-            Backing::Mem => {
-                let g = Geometry::new(d.size.0, d.block_size)
-                    .map_err(|e| StartError::Config(format!("{}: {e}", key("size"))))?;
-                info!(disk = %d.name, size = d.size.0, "RAM disk created");
-                Arc::new(MemDevice::new(g))
-            }
-            Backing::File => {
-                let path = d.image_path(&node.data_dir);
-                if let Some(parent) = path.parent() {
-                    std::fs::create_dir_all(parent).map_err(|e| {
-                        StartError::Runtime(format!("cannot create {}: {e}", parent.display()))
-                    })?;
-                }
-                let existed = path.exists();
-                let dev = FileOptions::new()
-                    .block_size(d.block_size)
-                    .direct(d.direct)
-                    .create(d.size.0)
-                    .open(&path)
-                    .map_err(|e| match e.kind() {
-                        ErrorKind::InvalidArgument => {
-                            StartError::Config(format!("{}: {e}", key("size")))
-                        }
-                        _ => StartError::Runtime(format!("disk {}: {e}", d.name)),
-                    })?;
-                info!(disk = %d.name, path = %path.display(), size = d.size.0, direct = d.direct,
-                    "{}", if existed { "image opened" } else { "image created" });
-                Arc::new(dev)
-            }
-        };
-        disks.push((
-            d,
-            Disk {
-                name: d.name.clone(),
-                device,
-            },
-        ));
-    }
-
-    // Group disks by NBD address: one server (and listener) per address.
-    let mut by_addr: BTreeMap<String, (NbdAddr, Vec<Export>, Vec<String>, usize)> = BTreeMap::new();
-    for (i, (d, disk)) in disks.iter().enumerate() {
         let Some(nbd) = &d.nbd else {
-            warn!(disk = %disk.name, "no `nbd` address: the disk is not exported");
+            warn!(disk = %d.name, "no `nbd` address: the disk is not exported");
             continue;
         };
         let addr = NbdAddr::parse(nbd)
             .map_err(|m| StartError::Config(format!("key `disk[{i}].nbd`: {m}")))?;
-        let entry = by_addr
+        by_addr
             .entry(addr.to_string())
-            .or_insert_with(|| (addr, Vec::new(), Vec::new(), i));
-        entry.1.push(
-            Export::new(&disk.name, Arc::clone(&disk.device))
-                .with_description(format!("vsan disk {}", disk.name)),
-        );
-        entry.2.push(disk.name.clone());
+            .or_insert_with(|| (addr, Vec::new()))
+            .1
+            .push(i);
     }
-
-    let mut servers = Vec::new();
-    let mut ready_lines = Vec::new();
-    for (_, (addr, exports, names, first)) in by_addr {
-        let key = format!("key `disk[{first}].nbd`");
+    let mut bound = Vec::new();
+    for (addr, members) in by_addr.into_values() {
+        let key = format!("key `disk[{}].nbd`", members[0]);
         let listener = bind(&addr).await.map_err(|e| {
             if e.kind() == std::io::ErrorKind::AddrInUse {
                 StartError::Config(format!("{key}: address {addr} is already in use"))
@@ -189,6 +142,20 @@ async fn run(config: Config) -> Result<(), StartError> {
                 StartError::Config(format!("{key}: cannot listen on {addr}: {e}"))
             }
         })?;
+        bound.push((addr, members, listener));
+    }
+
+    let mut disks = Vec::new();
+    for (i, d) in config.disk.iter().enumerate() {
+        disks.push(Disk {
+            name: d.name.clone(),
+            device: open_disk(i, d, &node.data_dir)?,
+        });
+    }
+
+    let mut servers = Vec::new();
+    let mut ready_lines = Vec::new();
+    for (addr, members, listener) in bound {
         let shown = match &listener {
             Listener::Tcp(l) => l
                 .local_addr()
@@ -196,8 +163,14 @@ async fn run(config: Config) -> Result<(), StartError> {
                 .unwrap_or_else(|_| addr.to_string()),
             Listener::Unix(_, p) => format!("unix:{}", p.display()),
         };
-        for n in &names {
-            ready_lines.push(format!("ready disk={n} nbd={shown}"));
+        let mut exports = Vec::new();
+        for &i in &members {
+            let disk = &disks[i];
+            ready_lines.push(format!("ready disk={} nbd={shown}", disk.name));
+            exports.push(
+                Export::new(&disk.name, Arc::clone(&disk.device))
+                    .with_description(format!("vsan disk {}", disk.name)),
+            );
         }
         let server = Server::new(exports).map_err(|e| StartError::Config(e.to_string()))?;
         servers.push((server, listener));
@@ -245,7 +218,7 @@ async fn run(config: Config) -> Result<(), StartError> {
         warn!("some clients did not finish within {DRAIN_TIMEOUT:?}; closing them");
     }
     let mut failed = false;
-    for (_, disk) in &disks {
+    for disk in &disks {
         match disk.device.flush().await {
             Ok(()) => info!(disk = %disk.name, "flushed"),
             Err(e) => {
@@ -264,6 +237,46 @@ async fn run(config: Config) -> Result<(), StartError> {
     }
     info!("vsan-node stopped cleanly");
     Ok(())
+}
+
+/// Open (or create) disk `i` of the config.
+fn open_disk(
+    i: usize,
+    d: &DiskSection,
+    data_dir: &Path,
+) -> Result<Arc<dyn BlockDevice>, StartError> {
+    let key = |k: &str| format!("key `disk[{i}].{k}`");
+    match d.backing {
+        Backing::Mem => {
+            let g = Geometry::new(d.size.0, d.block_size)
+                .map_err(|e| StartError::Config(format!("{}: {e}", key("size"))))?;
+            info!(disk = %d.name, size = d.size.0, "RAM disk created");
+            Ok(Arc::new(MemDevice::new(g)))
+        }
+        Backing::File => {
+            let path = d.image_path(data_dir);
+            if let Some(parent) = path.parent() {
+                std::fs::create_dir_all(parent).map_err(|e| {
+                    StartError::Runtime(format!("cannot create {}: {e}", parent.display()))
+                })?;
+            }
+            let existed = path.exists();
+            let dev = FileOptions::new()
+                .block_size(d.block_size)
+                .direct(d.direct)
+                .create(d.size.0)
+                .open(&path)
+                .map_err(|e| match e.kind() {
+                    ErrorKind::InvalidArgument => {
+                        StartError::Config(format!("{}: {e}", key("size")))
+                    }
+                    _ => StartError::Runtime(format!("disk {}: {e}", d.name)),
+                })?;
+            info!(disk = %d.name, path = %path.display(), size = d.size.0, direct = d.direct,
+                "{}", if existed { "image opened" } else { "image created" });
+            Ok(Arc::new(dev))
+        }
+    }
 }
 
 async fn bind(addr: &NbdAddr) -> std::io::Result<Listener> {
