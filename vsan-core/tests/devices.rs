@@ -2,59 +2,26 @@
 //! class on every device, FileDevice persistence and options, and FaultyDevice's errors,
 //! latency and power cuts. Every check compares real bytes read back from the device.
 
+mod common;
+
 use std::path::Path;
 use std::time::Duration;
 
 use bytes::Bytes;
+use common::{BS, fill_range, pattern, read_range, tempdir};
 use vsan_core::{
     BlockDevice, ErrorKind, FaultConfig, FaultyDevice, FileDevice, FileOptions, Geometry, IoFlags,
     MemDevice, OpKind, PowerCut,
 };
 
-const BS: u64 = 512;
-
-/// Bytes that differ per offset and per `tag`, so misplaced or stale data shows.
-fn pattern(tag: u8, offset: u64, len: usize) -> Vec<u8> {
-    (0..len as u64)
-        .map(|i| {
-            let pos = offset + i;
-            ((pos / 7) ^ (pos >> 9)).wrapping_mul(31) as u8 ^ tag
-        })
-        .collect()
-}
-
-fn tempdir() -> tempfile::TempDir {
-    tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap()
-}
-
 /// The whole device, read in requests of at most `max_io`.
 async fn image(dev: &dyn BlockDevice) -> Vec<u8> {
-    let g = dev.geometry();
-    let mut out = Vec::with_capacity(g.size() as usize);
-    let mut pos = 0;
-    while pos < g.size() {
-        let n = (g.size() - pos).min(u64::from(g.max_io()));
-        out.extend_from_slice(&dev.read(pos, n as usize).await.unwrap());
-        pos += n;
-    }
-    out
+    read_range(dev, 0, dev.geometry().size()).await
 }
 
 /// Fill the whole device with `pattern(tag, ..)`.
 async fn fill(dev: &dyn BlockDevice, tag: u8) {
-    let g = dev.geometry();
-    let mut pos = 0;
-    while pos < g.size() {
-        let n = (g.size() - pos).min(u64::from(g.max_io()));
-        dev.write(
-            pos,
-            Bytes::from(pattern(tag, pos, n as usize)),
-            IoFlags::empty(),
-        )
-        .await
-        .unwrap();
-        pos += n;
-    }
+    fill_range(dev, tag, 0, dev.geometry().size()).await;
 }
 
 /// The bad-input classes, as (what, offset, len, expected kind), for one operation.
@@ -494,28 +461,35 @@ async fn faulty_fua_writes_survive_and_win_over_older_writes() {
     }
 }
 
+/// A fresh [`faulty`] device after two unflushed writes of 32 blocks (blocks 64 to 127)
+/// and a power cut that tears them with `seed`: (device, image before, data written).
+async fn torn_writes(seed: u64) -> (FaultyDevice<MemDevice>, Vec<u8>, Vec<u8>) {
+    let (dev, base) = faulty().await;
+    let new = pattern(0x77, 0, 64 * BS as usize);
+    dev.write(
+        64 * BS,
+        Bytes::from(new[..32 * BS as usize].to_vec()),
+        IoFlags::empty(),
+    )
+    .await
+    .unwrap();
+    dev.write(
+        96 * BS,
+        Bytes::from(new[32 * BS as usize..].to_vec()),
+        IoFlags::empty(),
+    )
+    .await
+    .unwrap();
+    dev.power_cut(PowerCut::Tear { seed }).await.unwrap();
+    (dev, base, new)
+}
+
 #[tokio::test]
 async fn faulty_tear_keeps_whole_blocks_of_old_or_new_data() {
     let mut saw_mixed = false;
     let mut first = None;
     for seed in 0..16 {
-        let (dev, base) = faulty().await;
-        let new = pattern(0x77, 0, 64 * BS as usize);
-        dev.write(
-            64 * BS,
-            Bytes::from(new[..32 * BS as usize].to_vec()),
-            IoFlags::empty(),
-        )
-        .await
-        .unwrap();
-        dev.write(
-            96 * BS,
-            Bytes::from(new[32 * BS as usize..].to_vec()),
-            IoFlags::empty(),
-        )
-        .await
-        .unwrap();
-        dev.power_cut(PowerCut::Tear { seed }).await.unwrap();
+        let (dev, base, new) = torn_writes(seed).await;
         let img = image(&dev).await;
         let (mut olds, mut news) = (0, 0);
         for b in 0..FSIZE / BS {
@@ -540,23 +514,7 @@ async fn faulty_tear_keeps_whole_blocks_of_old_or_new_data() {
     }
     assert!(saw_mixed, "no seed tore the writes");
     // The same seed gives the same crash.
-    let (dev, _) = faulty().await;
-    let new = pattern(0x77, 0, 64 * BS as usize);
-    dev.write(
-        64 * BS,
-        Bytes::from(new[..32 * BS as usize].to_vec()),
-        IoFlags::empty(),
-    )
-    .await
-    .unwrap();
-    dev.write(
-        96 * BS,
-        Bytes::from(new[32 * BS as usize..].to_vec()),
-        IoFlags::empty(),
-    )
-    .await
-    .unwrap();
-    dev.power_cut(PowerCut::Tear { seed: 3 }).await.unwrap();
+    let (dev, _, _) = torn_writes(3).await;
     assert!(Some(image(&dev).await) == first);
 }
 

@@ -19,26 +19,26 @@
 //! `scratch` (a second MemDevice) takes the fuzzing, `slow` (a FaultyDevice with latency)
 //! keeps requests in flight for the cases that need them there.
 
+mod common;
+
 use std::collections::HashMap;
 use std::future::Future;
-use std::io::ErrorKind as IoKind;
+use std::ops::Deref;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use bytes::Bytes;
+use common::{
+    BS, IO_TIMEOUT, MAX_IO, MIB, Raw, SIZE, Served, fill_range, geometry, go_data, is_disconnect,
+    mem, option_frame, pattern, read_range, req, serve, simple_reply_fields,
+};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use vsan_core::export::nbd::proto::*;
-use vsan_core::export::nbd::{Client, Export, Server};
-use vsan_core::{BlockDevice, FaultyDevice, Geometry, IoFlags, MemDevice};
+use vsan_core::export::nbd::{Client, Export};
+use vsan_core::{BlockDevice, FaultyDevice, MemDevice};
 
-const MIB: u64 = 1 << 20;
-const BS: u64 = 512;
-const SIZE: u64 = 16 * MIB;
-const MAX_IO: u32 = 1 << 20;
 const HOSTILE: u64 = 0;
 const HOSTILE_LEN: u64 = 4 * MIB;
 const BYSTANDER: u64 = 8 * MIB;
@@ -46,27 +46,12 @@ const FRESH: u64 = 12 * MIB;
 const TAIL: u64 = SIZE - MIB;
 /// The deadline of a whole test.
 const TEST_TIMEOUT: Duration = Duration::from_secs(25);
-/// How long one exchange with the server may take before the test calls it a hang.
-const IO_TIMEOUT: Duration = Duration::from_secs(5);
 /// Largest write the server buffers (mirrors the server's documented limit).
 const MAX_WRITE_PAYLOAD: u32 = 64 << 20;
 
-/// Run a test body with a deadline, so a hung server fails the test instead of CI.
+/// Run a test body within [`TEST_TIMEOUT`].
 async fn within<T>(body: impl Future<Output = T>) -> T {
-    match tokio::time::timeout(TEST_TIMEOUT, body).await {
-        Ok(v) => v,
-        Err(_) => panic!("test did not finish in {TEST_TIMEOUT:?}: the server hung"),
-    }
-}
-
-/// Bytes that differ per offset and per `tag`, so misplaced or stale data shows.
-fn pattern(tag: u8, offset: u64, len: usize) -> Vec<u8> {
-    (0..len as u64)
-        .map(|i| {
-            let pos = offset + i;
-            ((pos / 7) ^ (pos >> 9)).wrapping_mul(31) as u8 ^ tag
-        })
-        .collect()
+    common::within(TEST_TIMEOUT, body).await
 }
 
 /// A small deterministic generator (SplitMix64), so fuzz runs are reproducible.
@@ -93,57 +78,34 @@ impl Rng {
     }
 }
 
+/// The server of every case, with `vol0` at hand; derefs to the [`Served`] server.
 struct Harness {
-    server: Server,
-    addr: String,
+    srv: Served,
     vol0: Arc<MemDevice>,
-    serving: JoinHandle<vsan_core::Result<()>>,
 }
 
 impl Harness {
     /// A server on 127.0.0.1:0 with `vol0`, `scratch` and `slow`; `vol0` pre-filled
     /// where hostile requests aim.
     async fn start() -> Harness {
-        let g = Geometry::with_max_io(SIZE, BS as u32, MAX_IO).unwrap();
-        let vol0 = Arc::new(MemDevice::new(g));
-        let scratch = Arc::new(MemDevice::new(g));
-        let slow = Arc::new(FaultyDevice::new(MemDevice::new(g)));
+        let vol0 = mem();
+        let slow = Arc::new(FaultyDevice::new(MemDevice::new(geometry())));
         slow.set_latency(Duration::from_millis(30));
         for (off, len) in [(HOSTILE, HOSTILE_LEN), (TAIL, MIB)] {
-            let mut pos = off;
-            while pos < off + len {
-                let data = Bytes::from(pattern(0xa0, pos, MAX_IO as usize));
-                vol0.write(pos, data, IoFlags::empty()).await.unwrap();
-                pos += u64::from(MAX_IO);
-            }
+            fill_range(&*vol0, 0xa0, off, len).await;
         }
-        let server = Server::new(vec![
+        let srv = serve(vec![
             Export::new("vol0", vol0.clone()),
-            Export::new("scratch", scratch),
+            Export::new("scratch", mem()),
             Export::new("slow", slow),
         ])
-        .unwrap();
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap().to_string();
-        let s = server.clone();
-        let serving = tokio::spawn(async move { s.serve_tcp(listener).await });
-        Harness {
-            server,
-            addr,
-            vol0,
-            serving,
-        }
+        .await;
+        Harness { srv, vol0 }
     }
 
     /// `[offset, offset + len)` of `vol0` still holds what `start` put there.
     async fn assert_untouched(&self, offset: u64, len: u64) {
-        let mut got = Vec::with_capacity(len as usize);
-        let mut pos = offset;
-        while pos < offset + len {
-            let n = (offset + len - pos).min(u64::from(MAX_IO));
-            got.extend_from_slice(&self.vol0.read(pos, n as usize).await.unwrap());
-            pos += n;
-        }
+        let got = read_range(&*self.vol0, offset, len).await;
         let want = pattern(0xa0, offset, len as usize);
         if let Some(i) = got.iter().zip(&want).position(|(a, b)| a != b) {
             panic!(
@@ -153,6 +115,14 @@ impl Harness {
                 want[i]
             );
         }
+    }
+
+    /// The end of a case whose requests were refused: `raw` is still in step, and the
+    /// first 3 MiB of the hostile region are as they were once it is gone.
+    async fn refused_cleanly(&self, mut raw: Raw) {
+        raw.still_in_step(HOSTILE + 3 * MIB).await;
+        drop(raw);
+        self.assert_untouched(HOSTILE, 3 * MIB).await;
     }
 
     /// Attach a well-behaved client and start it writing and verifying its own region in
@@ -195,26 +165,26 @@ impl Harness {
         self.settle().await;
         assert!(!self.serving.is_finished(), "the accept loop ended");
     }
+}
 
-    /// Wait until the server has no connection left.
-    async fn settle(&self) {
-        let deadline = tokio::time::Instant::now() + IO_TIMEOUT;
-        while self.server.open_connections() != 0 {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "the server still holds {} connection(s) after every client left",
-                self.server.open_connections()
-            );
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+impl Deref for Harness {
+    type Target = Served;
+
+    fn deref(&self) -> &Served {
+        &self.srv
     }
 }
 
-impl Drop for Harness {
-    fn drop(&mut self) {
-        self.server.shutdown();
-        self.serving.abort();
-    }
+/// One hostile case: a fresh [`Harness`] with a bystander at work before `attack` runs,
+/// then everything [`Harness::survives`] checks.
+async fn hostile_case(attack: impl AsyncFnOnce(&Harness)) {
+    within(async {
+        let h = Harness::start().await;
+        let by = h.bystander().await;
+        attack(&h).await;
+        h.survives(by).await;
+    })
+    .await;
 }
 
 struct Bystander {
@@ -252,231 +222,26 @@ async fn fresh_client_works(addr: &str, export: &str, offset: u64) {
     c.disconnect().await.unwrap();
 }
 
-/// An option reply as it came off the wire.
-#[derive(Debug)]
-struct OptReply {
-    opt: u32,
-    kind: u32,
-    data: Vec<u8>,
+/// After the refusals negotiation goes on: `raw` attaches to `vol0` and works.
+async fn attaches_after_all(mut raw: Raw) {
+    raw.go("vol0").await;
+    raw.still_in_step(HOSTILE).await;
 }
 
-/// A client speaking raw bytes.
-struct Raw {
-    s: TcpStream,
-}
-
-impl Raw {
-    /// Connect and read the greeting.
-    async fn connect(addr: &str) -> Raw {
-        let s = TcpStream::connect(addr).await.unwrap();
-        s.set_nodelay(true).unwrap();
-        let mut raw = Raw { s };
-        let g = raw.read_exact(18).await;
-        assert_eq!(u64::from_be_bytes(g[0..8].try_into().unwrap()), NBDMAGIC);
-        assert_eq!(u64::from_be_bytes(g[8..16].try_into().unwrap()), IHAVEOPT);
-        let hflags = u16::from_be_bytes([g[16], g[17]]);
-        assert_eq!(hflags, FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES);
-        raw
-    }
-
-    /// Connect, negotiate fixed newstyle and attach to `export` with OPT_GO.
-    async fn attach(addr: &str, export: &str) -> Raw {
-        let mut raw = Raw::connect(addr).await;
-        raw.flags(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES).await;
-        raw.go(export).await;
-        raw
-    }
-
-    async fn send(&mut self, b: &[u8]) {
-        tokio::time::timeout(IO_TIMEOUT, self.s.write_all(b))
-            .await
-            .expect("send timed out")
-            .unwrap();
-    }
-
-    async fn read_exact(&mut self, n: usize) -> Vec<u8> {
-        let mut b = vec![0u8; n];
-        tokio::time::timeout(IO_TIMEOUT, self.s.read_exact(&mut b))
-            .await
-            .expect("timed out waiting for the server")
-            .unwrap();
-        b
-    }
-
-    async fn flags(&mut self, f: u32) {
-        self.send(&f.to_be_bytes()).await;
-    }
-
-    async fn option(&mut self, opt: u32, data: &[u8]) {
-        let mut b = Vec::with_capacity(16 + data.len());
-        b.extend_from_slice(&IHAVEOPT.to_be_bytes());
-        b.extend_from_slice(&opt.to_be_bytes());
-        b.extend_from_slice(&(data.len() as u32).to_be_bytes());
-        b.extend_from_slice(data);
-        self.send(&b).await;
-    }
-
-    async fn option_reply(&mut self) -> OptReply {
-        let h = self.read_exact(20).await;
-        assert_eq!(
-            u64::from_be_bytes(h[0..8].try_into().unwrap()),
-            REPLY_MAGIC_OPT,
-            "bad option reply magic"
-        );
-        let opt = u32::from_be_bytes(h[8..12].try_into().unwrap());
-        let kind = u32::from_be_bytes(h[12..16].try_into().unwrap());
-        let len = u32::from_be_bytes(h[16..20].try_into().unwrap());
-        assert!(len <= 64 << 10, "option reply of {len} bytes");
-        let data = self.read_exact(len as usize).await;
-        OptReply { opt, kind, data }
-    }
-
-    /// Send `opt` and expect exactly one reply: an error of `kind` (or an ACK).
-    async fn option_expect(&mut self, opt: u32, data: &[u8], kind: u32) {
-        self.option(opt, data).await;
-        let r = self.option_reply().await;
-        assert_eq!(r.opt, opt, "reply names another option: {r:?}");
-        assert_eq!(r.kind, kind, "option {opt}: {r:?}");
-    }
-
-    /// OPT_GO to `export`; returns (size, transmission flags).
-    async fn go(&mut self, export: &str) -> (u64, u16) {
-        self.option(OPT_GO, &go_data(export.as_bytes(), &[INFO_BLOCK_SIZE]))
-            .await;
-        let mut export_info = None;
-        loop {
-            let r = self.option_reply().await;
-            assert_eq!(r.opt, OPT_GO);
-            match r.kind {
-                REP_INFO => {
-                    let info = u16::from_be_bytes([r.data[0], r.data[1]]);
-                    if info == INFO_EXPORT {
-                        assert_eq!(r.data.len(), 12);
-                        let size = u64::from_be_bytes(r.data[2..10].try_into().unwrap());
-                        let flags = u16::from_be_bytes([r.data[10], r.data[11]]);
-                        export_info = Some((size, flags));
-                    }
-                }
-                REP_ACK => return export_info.expect("GO acknowledged without INFO_EXPORT"),
-                k => panic!("GO {export:?} refused: {k:#x} {:?}", r.data),
-            }
-        }
-    }
-
-    async fn request(&mut self, kind: u16, flags: u16, cookie: u64, offset: u64, length: u32) {
-        self.request_with(kind, flags, cookie, offset, length, &[])
-            .await;
-    }
-
-    async fn request_with(
-        &mut self,
-        kind: u16,
-        flags: u16,
-        cookie: u64,
-        offset: u64,
-        length: u32,
-        payload: &[u8],
-    ) {
-        let mut b = Request {
-            flags,
-            kind,
-            cookie,
-            offset,
-            length,
-        }
-        .encode()
-        .to_vec();
-        b.extend_from_slice(payload);
-        self.send(&b).await;
-    }
-
-    /// Read one simple reply: (errno, cookie).
-    async fn reply(&mut self) -> (u32, u64) {
-        let h = self.read_exact(SIMPLE_REPLY_LEN).await;
-        assert_eq!(
-            u32::from_be_bytes(h[0..4].try_into().unwrap()),
-            SIMPLE_REPLY_MAGIC,
-            "bad reply magic"
-        );
-        (
-            u32::from_be_bytes(h[4..8].try_into().unwrap()),
-            u64::from_be_bytes(h[8..16].try_into().unwrap()),
-        )
-    }
-
-    /// Send one request and expect an error reply with `errno` and no payload.
-    async fn expect_errno(&mut self, req: Request, payload: &[u8], errno: u32) {
-        self.request_with(
-            req.kind, req.flags, req.cookie, req.offset, req.length, payload,
-        )
-        .await;
-        let (got, cookie) = self.reply().await;
-        assert_eq!(cookie, req.cookie);
-        assert_eq!(got, errno, "{req:?}: errno {got}, expected {errno}");
-    }
-
-    /// A valid write and read on this connection: it is still in step with the server.
-    async fn still_in_step(&mut self, offset: u64) {
-        let data = pattern(0x3c, offset, 4096);
-        self.request_with(CMD_WRITE, 0, 9001, offset, 4096, &data)
-            .await;
-        assert_eq!(self.reply().await, (0, 9001));
-        self.request(CMD_READ, 0, 9002, offset, 4096).await;
-        assert_eq!(self.reply().await, (0, 9002));
-        assert!(self.read_exact(4096).await == data);
-    }
-
-    /// Half-close our side: the server sees end of input.
-    async fn close_write(&mut self) {
-        self.s.shutdown().await.unwrap();
-    }
-
-    /// Read until the server closes the connection; returns what it sent before that.
-    async fn expect_closed(&mut self) -> Vec<u8> {
-        let mut got = Vec::new();
-        let mut buf = vec![0u8; 64 << 10];
-        loop {
-            match tokio::time::timeout(IO_TIMEOUT, self.s.read(&mut buf)).await {
-                Err(_) => panic!(
-                    "the server kept the connection open (after {} bytes)",
-                    got.len()
-                ),
-                Ok(Ok(0)) => return got,
-                Ok(Ok(n)) => got.extend_from_slice(&buf[..n]),
-                Ok(Err(e)) if is_disconnect(&e) => return got,
-                Ok(Err(e)) => panic!("unexpected socket error: {e}"),
-            }
-        }
+/// Send each of `cases` (a request, and how many bytes of payload follow it) and expect
+/// EINVAL for every one.
+async fn expect_einval_each(raw: &mut Raw, cases: &[(Request, usize)]) {
+    let junk = vec![0xee; 4096];
+    for &(r, payload) in cases {
+        raw.expect_errno(r, &junk[..payload], EINVAL).await;
     }
 }
 
-fn is_disconnect(e: &std::io::Error) -> bool {
-    matches!(
-        e.kind(),
-        IoKind::ConnectionReset | IoKind::BrokenPipe | IoKind::ConnectionAborted
-    )
-}
-
-/// Data of an OPT_INFO / OPT_GO request.
-fn go_data(name: &[u8], infos: &[u16]) -> Vec<u8> {
-    let mut d = Vec::new();
-    d.extend_from_slice(&(name.len() as u32).to_be_bytes());
-    d.extend_from_slice(name);
-    d.extend_from_slice(&(infos.len() as u16).to_be_bytes());
-    for i in infos {
-        d.extend_from_slice(&i.to_be_bytes());
-    }
-    d
-}
-
-fn req(kind: u16, flags: u16, cookie: u64, offset: u64, length: u32) -> Request {
-    Request {
-        flags,
-        kind,
-        cookie,
-        offset,
-        length,
-    }
+/// `n` reads of `MAX_IO` bytes in one buffer, cookie `i` reading at `(i % 16)` MiB.
+fn max_io_reads(n: u64) -> Vec<u8> {
+    (0..n)
+        .flat_map(|i| req(CMD_READ, 0, i, (i % 16) * MIB, MAX_IO).encode())
+        .collect()
 }
 
 // ---------------------------------------------------------------------------------------
@@ -485,48 +250,34 @@ fn req(kind: u16, flags: u16, cookie: u64, offset: u64, length: u32) -> Request 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn garbage_instead_of_client_flags_closes_that_connection() {
-    within(async {
-        let h = Harness::start().await;
-        let by = h.bystander().await;
+    hostile_case(async |h| {
         let mut raw = Raw::connect(&h.addr).await;
         raw.send(b"GET / HTTP/1.1\r\nHost: vsan\r\n\r\n").await;
         assert_eq!(raw.expect_closed().await, b"");
-        drop(raw);
-        h.survives(by).await;
     })
     .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unknown_client_flags_close_that_connection() {
-    within(async {
-        let h = Harness::start().await;
-        let by = h.bystander().await;
+    hostile_case(async |h| {
         for flags in [FLAG_C_FIXED_NEWSTYLE | 1 << 2, 1 << 31, u32::MAX] {
-            let mut raw = Raw::connect(&h.addr).await;
-            raw.flags(flags).await;
+            let mut raw = Raw::negotiating(&h.addr, flags).await;
             assert_eq!(raw.expect_closed().await, b"", "client flags {flags:#x}");
         }
-        h.survives(by).await;
     })
     .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_option_magic_closes_that_connection() {
-    within(async {
-        let h = Harness::start().await;
-        let by = h.bystander().await;
-        let mut raw = Raw::connect(&h.addr).await;
-        raw.flags(FLAG_C_FIXED_NEWSTYLE).await;
-        let mut b = b"IHAVEOPX".to_vec();
-        b.extend_from_slice(&OPT_LIST.to_be_bytes());
-        b.extend_from_slice(&0u32.to_be_bytes());
-        raw.send(&b).await;
+    hostile_case(async |h| {
+        let mut raw = Raw::negotiating(&h.addr, FLAG_C_FIXED_NEWSTYLE).await;
+        let bad_magic = u64::from_be_bytes(*b"IHAVEOPX");
+        raw.send(&option_frame(bad_magic, OPT_LIST, 0, &[])).await;
         assert_eq!(raw.expect_closed().await, b"");
         // The same after a good option: the check is on every option, not just the first.
-        let mut raw = Raw::connect(&h.addr).await;
-        raw.flags(FLAG_C_FIXED_NEWSTYLE).await;
+        let mut raw = Raw::negotiating(&h.addr, FLAG_C_FIXED_NEWSTYLE).await;
         raw.option(OPT_LIST, &[]).await;
         let mut replies = 0;
         loop {
@@ -539,38 +290,27 @@ async fn bad_option_magic_closes_that_connection() {
         assert_eq!(replies, 4, "three exports and an ACK");
         raw.send(&[0u8; 16]).await;
         assert_eq!(raw.expect_closed().await, b"");
-        h.survives(by).await;
     })
     .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn option_with_absurd_length_closes_without_reading_it() {
-    within(async {
-        let h = Harness::start().await;
-        let by = h.bystander().await;
+    hostile_case(async |h| {
         for len in [u32::MAX, (1 << 20) + 1] {
-            let mut raw = Raw::connect(&h.addr).await;
-            raw.flags(FLAG_C_FIXED_NEWSTYLE).await;
-            let mut b = IHAVEOPT.to_be_bytes().to_vec();
-            b.extend_from_slice(&OPT_GO.to_be_bytes());
-            b.extend_from_slice(&len.to_be_bytes());
+            let mut raw = Raw::negotiating(&h.addr, FLAG_C_FIXED_NEWSTYLE).await;
             // Only the header: a server that tried to read `len` bytes would hang here.
-            raw.send(&b).await;
+            raw.send(&option_frame(IHAVEOPT, OPT_GO, len, &[])).await;
             assert_eq!(raw.expect_closed().await, b"", "option length {len}");
         }
-        h.survives(by).await;
     })
     .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn option_over_16k_gets_too_big_and_negotiation_continues() {
-    within(async {
-        let h = Harness::start().await;
-        let by = h.bystander().await;
-        let mut raw = Raw::connect(&h.addr).await;
-        raw.flags(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES).await;
+    hostile_case(async |h| {
+        let mut raw = Raw::negotiating(&h.addr, FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES).await;
         // Just over the limit, and the largest the server still reads and skips.
         raw.option_expect(OPT_LIST, &vec![7u8; (16 << 10) + 1], REP_ERR_TOO_BIG)
             .await;
@@ -582,34 +322,24 @@ async fn option_over_16k_gets_too_big_and_negotiation_continues() {
         let (size, _) = raw.go("vol0").await;
         assert_eq!(size, SIZE);
         raw.still_in_step(HOSTILE).await;
-        drop(raw);
-        h.survives(by).await;
     })
     .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn opt_list_with_data_is_invalid() {
-    within(async {
-        let h = Harness::start().await;
-        let by = h.bystander().await;
-        let mut raw = Raw::connect(&h.addr).await;
-        raw.flags(FLAG_C_FIXED_NEWSTYLE).await;
+    hostile_case(async |h| {
+        let mut raw = Raw::negotiating(&h.addr, FLAG_C_FIXED_NEWSTYLE).await;
         raw.option_expect(OPT_LIST, b"vol0", REP_ERR_INVALID).await;
         raw.option_expect(OPT_LIST, &[0], REP_ERR_INVALID).await;
-        raw.go("vol0").await;
-        raw.still_in_step(HOSTILE).await;
-        drop(raw);
-        h.survives(by).await;
+        attaches_after_all(raw).await;
     })
     .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_info_and_go_lengths_are_invalid() {
-    within(async {
-        let h = Harness::start().await;
-        let by = h.bystander().await;
+    hostile_case(async |h| {
         let good = go_data(b"vol0", &[INFO_BLOCK_SIZE]);
         let mut cases: Vec<(&str, Vec<u8>)> = vec![
             ("no data", vec![]),
@@ -650,8 +380,7 @@ async fn malformed_info_and_go_lengths_are_invalid() {
             d[9] = 0xff;
             d
         }));
-        let mut raw = Raw::connect(&h.addr).await;
-        raw.flags(FLAG_C_FIXED_NEWSTYLE).await;
+        let mut raw = Raw::negotiating(&h.addr, FLAG_C_FIXED_NEWSTYLE).await;
         for opt in [OPT_INFO, OPT_GO] {
             for (what, data) in &cases {
                 raw.option(opt, data).await;
@@ -663,64 +392,48 @@ async fn malformed_info_and_go_lengths_are_invalid() {
                 );
             }
         }
-        raw.go("vol0").await;
-        raw.still_in_step(HOSTILE).await;
-        drop(raw);
-        h.survives(by).await;
+        attaches_after_all(raw).await;
     })
     .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn info_and_go_for_unknown_export_get_err_unknown() {
-    within(async {
-        let h = Harness::start().await;
-        let by = h.bystander().await;
-        let mut raw = Raw::connect(&h.addr).await;
-        raw.flags(FLAG_C_FIXED_NEWSTYLE).await;
+    hostile_case(async |h| {
+        let mut raw = Raw::negotiating(&h.addr, FLAG_C_FIXED_NEWSTYLE).await;
         for name in [&b"nope"[..], b"VOL0", b"vol0\0", b"vol", b""] {
             raw.option_expect(OPT_INFO, &go_data(name, &[]), REP_ERR_UNKNOWN)
                 .await;
             raw.option_expect(OPT_GO, &go_data(name, &[]), REP_ERR_UNKNOWN)
                 .await;
         }
-        raw.go("vol0").await;
-        raw.still_in_step(HOSTILE).await;
-        drop(raw);
-        h.survives(by).await;
+        attaches_after_all(raw).await;
     })
     .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn export_name_for_unknown_export_closes_that_connection() {
-    within(async {
-        let h = Harness::start().await;
-        let by = h.bystander().await;
+    hostile_case(async |h| {
         // "" is ambiguous with three exports; the others do not exist.
         for name in [&b"nope"[..], b"", &[0xff, 0xfe]] {
             for flags in [
                 FLAG_C_FIXED_NEWSTYLE,
                 FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES,
             ] {
-                let mut raw = Raw::connect(&h.addr).await;
-                raw.flags(flags).await;
+                let mut raw = Raw::negotiating(&h.addr, flags).await;
                 raw.option(OPT_EXPORT_NAME, name).await;
                 assert_eq!(raw.expect_closed().await, b"", "EXPORT_NAME {name:?}");
             }
         }
-        h.survives(by).await;
     })
     .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unsupported_options_get_unsup_and_go_still_works() {
-    within(async {
-        let h = Harness::start().await;
-        let by = h.bystander().await;
-        let mut raw = Raw::connect(&h.addr).await;
-        raw.flags(FLAG_C_FIXED_NEWSTYLE).await;
+    hostile_case(async |h| {
+        let mut raw = Raw::negotiating(&h.addr, FLAG_C_FIXED_NEWSTYLE).await;
         let mut meta = go_data(b"vol0", &[]);
         meta.truncate(8);
         meta.extend_from_slice(&1u32.to_be_bytes());
@@ -741,29 +454,20 @@ async fn unsupported_options_get_unsup_and_go_still_works() {
             raw.option_expect(*opt, data, REP_ERR_UNSUP).await;
         }
         // The session is unchanged: simple replies, no TLS.
-        raw.go("vol0").await;
-        raw.still_in_step(HOSTILE).await;
-        drop(raw);
-        h.survives(by).await;
+        attaches_after_all(raw).await;
     })
     .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn opt_abort_is_acked_then_closed() {
-    within(async {
-        let h = Harness::start().await;
-        let by = h.bystander().await;
-        let mut raw = Raw::connect(&h.addr).await;
-        raw.flags(FLAG_C_FIXED_NEWSTYLE).await;
+    hostile_case(async |h| {
+        let mut raw = Raw::negotiating(&h.addr, FLAG_C_FIXED_NEWSTYLE).await;
         raw.option_expect(OPT_ABORT, &[], REP_ACK).await;
         assert_eq!(raw.expect_closed().await, b"");
         // A client that sends ABORT and leaves at once does no harm either.
-        let mut raw = Raw::connect(&h.addr).await;
-        raw.flags(FLAG_C_FIXED_NEWSTYLE).await;
+        let mut raw = Raw::negotiating(&h.addr, FLAG_C_FIXED_NEWSTYLE).await;
         raw.option(OPT_ABORT, &[]).await;
-        drop(raw);
-        h.survives(by).await;
     })
     .await;
 }
@@ -774,9 +478,7 @@ async fn opt_abort_is_acked_then_closed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_request_magic_closes_that_connection() {
-    within(async {
-        let h = Harness::start().await;
-        let by = h.bystander().await;
+    hostile_case(async |h| {
         let mut raw = Raw::attach(&h.addr, "vol0").await;
         raw.still_in_step(HOSTILE).await;
         let mut head = req(CMD_WRITE, 0, 7, HOSTILE + 8192, 512).encode();
@@ -787,16 +489,13 @@ async fn bad_request_magic_closes_that_connection() {
         assert_eq!(raw.expect_closed().await, b"");
         drop(raw);
         h.assert_untouched(HOSTILE + 8192, 512).await;
-        h.survives(by).await;
     })
     .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn truncated_header_then_close_gets_no_reply() {
-    within(async {
-        let h = Harness::start().await;
-        let by = h.bystander().await;
+    hostile_case(async |h| {
         for cut in [1, 10, REQUEST_LEN - 1] {
             let mut raw = Raw::attach(&h.addr, "vol0").await;
             let head = req(CMD_WRITE, 0, 1, HOSTILE, 0).encode();
@@ -805,16 +504,13 @@ async fn truncated_header_then_close_gets_no_reply() {
             assert_eq!(raw.expect_closed().await, b"", "header cut at {cut}");
         }
         h.assert_untouched(HOSTILE, HOSTILE_LEN).await;
-        h.survives(by).await;
     })
     .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn short_write_payload_then_close_writes_nothing() {
-    within(async {
-        let h = Harness::start().await;
-        let by = h.bystander().await;
+    hostile_case(async |h| {
         for (len, sent) in [
             (4096u32, 100usize),
             (4096, 4095),
@@ -824,10 +520,9 @@ async fn short_write_payload_then_close_writes_nothing() {
             let mut raw = Raw::attach(&h.addr, "vol0").await;
             // A complete write first, on other blocks: it must be answered and land.
             let done = pattern(0x11, HOSTILE + 2 * MIB, 4096);
-            raw.request_with(CMD_WRITE, 0, 1, HOSTILE + 2 * MIB, 4096, &done)
-                .await;
-            raw.request_with(CMD_WRITE, 0, 2, HOSTILE + 64 * 1024, len, &vec![0xee; sent])
-                .await;
+            raw.write(0, 1, HOSTILE + 2 * MIB, &done).await;
+            let short = req(CMD_WRITE, 0, 2, HOSTILE + 64 * 1024, len);
+            raw.request_with(short, &vec![0xee; sent]).await;
             raw.close_write().await;
             let got = raw.expect_closed().await;
             assert_eq!(
@@ -836,43 +531,31 @@ async fn short_write_payload_then_close_writes_nothing() {
                 "only the complete write is answered"
             );
             assert!(h.vol0.read(HOSTILE + 2 * MIB, 4096).await.unwrap() == done);
-            h.vol0
-                .write(
-                    HOSTILE + 2 * MIB,
-                    Bytes::from(pattern(0xa0, HOSTILE + 2 * MIB, 4096)),
-                    IoFlags::empty(),
-                )
-                .await
-                .unwrap();
+            // Put back what `start` wrote there.
+            fill_range(&*h.vol0, 0xa0, HOSTILE + 2 * MIB, 4096).await;
             h.assert_untouched(HOSTILE, HOSTILE_LEN).await;
         }
-        h.survives(by).await;
     })
     .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn write_over_64mib_closes_that_connection() {
-    within(async {
-        let h = Harness::start().await;
-        let by = h.bystander().await;
+    hostile_case(async |h| {
         for len in [MAX_WRITE_PAYLOAD + 512, u32::MAX] {
             let mut raw = Raw::attach(&h.addr, "vol0").await;
-            raw.request_with(CMD_WRITE, 0, 1, HOSTILE, len, &[0xee; 4096])
+            raw.request_with(req(CMD_WRITE, 0, 1, HOSTILE, len), &[0xee; 4096])
                 .await;
             assert_eq!(raw.expect_closed().await, b"", "write of {len} bytes");
         }
         h.assert_untouched(HOSTILE, HOSTILE_LEN).await;
-        h.survives(by).await;
     })
     .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn write_over_max_io_gets_einval_and_connection_stays_usable() {
-    within(async {
-        let h = Harness::start().await;
-        let by = h.bystander().await;
+    hostile_case(async |h| {
         let mut raw = Raw::attach(&h.addr, "vol0").await;
         let len = 2 * MAX_IO;
         raw.expect_errno(
@@ -881,19 +564,14 @@ async fn write_over_max_io_gets_einval_and_connection_stays_usable() {
             EINVAL,
         )
         .await;
-        raw.still_in_step(HOSTILE + 3 * MIB).await;
-        drop(raw);
-        h.assert_untouched(HOSTILE, 3 * MIB).await;
-        h.survives(by).await;
+        h.refused_cleanly(raw).await;
     })
     .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn read_over_max_io_gets_einval_and_connection_stays_usable() {
-    within(async {
-        let h = Harness::start().await;
-        let by = h.bystander().await;
+    hostile_case(async |h| {
         let mut raw = Raw::attach(&h.addr, "vol0").await;
         for len in [MAX_IO + 512, 64 << 20, u32::MAX] {
             raw.expect_errno(req(CMD_READ, 0, 4, HOSTILE, len), &[], EINVAL)
@@ -905,20 +583,15 @@ async fn read_over_max_io_gets_einval_and_connection_stays_usable() {
         let data = raw.read_exact(MAX_IO as usize).await;
         assert!(data == pattern(0xa0, HOSTILE, MAX_IO as usize));
         raw.still_in_step(HOSTILE + 3 * MIB).await;
-        drop(raw);
-        h.survives(by).await;
     })
     .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn misaligned_requests_get_einval_and_change_nothing() {
-    within(async {
-        let h = Harness::start().await;
-        let by = h.bystander().await;
+    hostile_case(async |h| {
         let mut raw = Raw::attach(&h.addr, "vol0").await;
-        let junk = vec![0xee; 4096];
-        let cases: Vec<(Request, usize)> = vec![
+        let cases = [
             (req(CMD_READ, 0, 1, HOSTILE + 1, 512), 0),
             (req(CMD_READ, 0, 2, HOSTILE, 100), 0),
             (req(CMD_READ, 0, 3, HOSTILE, 0), 0),
@@ -931,22 +604,15 @@ async fn misaligned_requests_get_einval_and_change_nothing() {
             (req(CMD_WRITE_ZEROES, 0, 10, HOSTILE + 256, 4096), 0),
             (req(CMD_WRITE_ZEROES, CMD_FLAG_FUA, 11, HOSTILE, 1), 0),
         ];
-        for (r, payload) in cases {
-            raw.expect_errno(r, &junk[..payload], EINVAL).await;
-        }
-        raw.still_in_step(HOSTILE + 3 * MIB).await;
-        drop(raw);
-        h.assert_untouched(HOSTILE, 3 * MIB).await;
-        h.survives(by).await;
+        expect_einval_each(&mut raw, &cases).await;
+        h.refused_cleanly(raw).await;
     })
     .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn out_of_range_requests_get_einval_or_enospc_and_change_nothing() {
-    within(async {
-        let h = Harness::start().await;
-        let by = h.bystander().await;
+    hostile_case(async |h| {
         let mut raw = Raw::attach(&h.addr, "vol0").await;
         let junk = vec![0xee; 4096];
         let far = u64::MAX - BS + 1;
@@ -991,38 +657,29 @@ async fn out_of_range_requests_get_einval_or_enospc_and_change_nothing() {
         raw.still_in_step(HOSTILE + 3 * MIB).await;
         drop(raw);
         h.assert_untouched(TAIL, MIB).await;
-        h.survives(by).await;
     })
     .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unknown_command_types_get_einval_and_connection_continues() {
-    within(async {
-        let h = Harness::start().await;
-        let by = h.bystander().await;
+    hostile_case(async |h| {
         let mut raw = Raw::attach(&h.addr, "vol0").await;
         // CACHE (5) and BLOCK_STATUS (7) are not offered; 99 and 0xffff do not exist.
         for (i, kind) in [99u16, 5, 7, 8, 0xffff].into_iter().enumerate() {
             raw.expect_errno(req(kind, 0, 100 + i as u64, HOSTILE, 4096), &[], EINVAL)
                 .await;
         }
-        raw.still_in_step(HOSTILE + 3 * MIB).await;
-        drop(raw);
-        h.assert_untouched(HOSTILE, 3 * MIB).await;
-        h.survives(by).await;
+        h.refused_cleanly(raw).await;
     })
     .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unknown_command_flags_get_einval_and_change_nothing() {
-    within(async {
-        let h = Harness::start().await;
-        let by = h.bystander().await;
+    hostile_case(async |h| {
         let mut raw = Raw::attach(&h.addr, "vol0").await;
-        let junk = vec![0xee; 4096];
-        let cases: Vec<(Request, usize)> = vec![
+        let cases = [
             // DF needs structured replies, which were not negotiated.
             (req(CMD_READ, 1 << 2, 1, HOSTILE, 4096), 0),
             (req(CMD_READ, 1 << 15, 2, HOSTILE, 4096), 0),
@@ -1034,22 +691,15 @@ async fn unknown_command_flags_get_einval_and_change_nothing() {
             // FAST_ZERO was not negotiated.
             (req(CMD_WRITE_ZEROES, 1 << 4, 7, HOSTILE, 4096), 0),
         ];
-        for (r, payload) in cases {
-            raw.expect_errno(r, &junk[..payload], EINVAL).await;
-        }
-        raw.still_in_step(HOSTILE + 3 * MIB).await;
-        drop(raw);
-        h.assert_untouched(HOSTILE, 3 * MIB).await;
-        h.survives(by).await;
+        expect_einval_each(&mut raw, &cases).await;
+        h.refused_cleanly(raw).await;
     })
     .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_vanishing_with_many_requests_in_flight() {
-    within(async {
-        let h = Harness::start().await;
-        let by = h.bystander().await;
+    hostile_case(async |h| {
         // On the slow export the requests sit in the device when the client leaves.
         let mut raw = Raw::attach(&h.addr, "slow").await;
         let mut b = Vec::new();
@@ -1064,30 +714,18 @@ async fn client_vanishing_with_many_requests_in_flight() {
         // On vol0 the replies (256 MiB of reads) cannot all be sent: the server is stuck
         // writing to a client that never reads, and then the client leaves.
         let mut raw = Raw::attach(&h.addr, "vol0").await;
-        let mut b = Vec::new();
-        for i in 0..256u64 {
-            b.extend_from_slice(&req(CMD_READ, 0, i, (i % 16) * MIB, MAX_IO).encode());
-        }
-        raw.send(&b).await;
+        raw.send(&max_io_reads(256)).await;
         // Some replies went out; then the client is gone without reading the rest.
         let _ = raw.read_exact(SIMPLE_REPLY_LEN).await;
-        drop(raw);
-        h.survives(by).await;
     })
     .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_that_never_reads_replies_does_not_stall_others() {
-    within(async {
-        let h = Harness::start().await;
-        let by = h.bystander().await;
+    hostile_case(async |h| {
         let mut raw = Raw::attach(&h.addr, "vol0").await;
-        let mut b = Vec::new();
-        for i in 0..64u64 {
-            b.extend_from_slice(&req(CMD_READ, 0, i, (i % 16) * MIB, MAX_IO).encode());
-        }
-        raw.send(&b).await;
+        raw.send(&max_io_reads(64)).await;
         // While it is still connected with its replies stuck, others carry on.
         fresh_client_works(&h.addr, "vol0", FRESH).await;
         fresh_client_works(&h.addr, "scratch", FRESH).await;
@@ -1103,8 +741,6 @@ async fn client_that_never_reads_replies_does_not_stall_others() {
                 assert!(data == pattern(0xa0, off, MAX_IO as usize));
             }
         }
-        drop(raw);
-        h.survives(by).await;
     })
     .await;
 }
@@ -1174,10 +810,7 @@ fn fuzz_negotiation(rng: &mut Rng) -> Vec<u8> {
             2 => (16 << 10) + rng.below(4096) as u32,
             _ => data.len() as u32,
         };
-        b.extend_from_slice(&magic.to_be_bytes());
-        b.extend_from_slice(&opt.to_be_bytes());
-        b.extend_from_slice(&len.to_be_bytes());
-        b.extend_from_slice(&data);
+        b.extend_from_slice(&option_frame(magic, opt, len, &data));
     }
     b
 }
@@ -1225,15 +858,7 @@ fn fuzz_transmission(rng: &mut Rng, sent: &mut Sent) -> Vec<u8> {
             8 => MAX_IO + BS as u32,
             _ => rng.next() as u32,
         };
-        let head = Request {
-            flags,
-            kind,
-            cookie,
-            offset,
-            length,
-        }
-        .encode();
-        b.extend_from_slice(&head);
+        b.extend_from_slice(&req(kind, flags, cookie, offset, length).encode());
         if kind == CMD_WRITE {
             if length > MAX_WRITE_PAYLOAD {
                 sent.all_answered = false;
@@ -1297,13 +922,11 @@ fn check_replies(seed: u64, got: &[u8], sent: &mut Sent) {
             );
             return;
         };
+        let (magic, errno, cookie) = simple_reply_fields(h);
         assert_eq!(
-            u32::from_be_bytes(h[0..4].try_into().unwrap()),
-            SIMPLE_REPLY_MAGIC,
+            magic, SIMPLE_REPLY_MAGIC,
             "seed {seed}: bad reply magic at {pos}"
         );
-        let errno = u32::from_be_bytes(h[4..8].try_into().unwrap());
-        let cookie = u64::from_be_bytes(h[8..16].try_into().unwrap());
         assert!(
             !sent.after_disc.contains(&cookie),
             "seed {seed}: request {cookie} after DISC was served"
@@ -1376,26 +999,21 @@ async fn exchange(raw: Raw, bytes: Vec<u8>) -> Vec<u8> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn seeded_fuzz_of_negotiation_and_transmission() {
-    within(async {
-        let h = Harness::start().await;
-        let by = h.bystander().await;
+    hostile_case(async |h| {
         for seed in 0..360u64 {
             let mut rng = Rng(0x7e57_0000 + seed);
-            let raw = Raw::connect(&h.addr).await;
             if seed % 2 == 0 {
+                let raw = Raw::connect(&h.addr).await;
                 let bytes = fuzz_negotiation(&mut rng);
                 exchange(raw, bytes).await;
             } else {
-                let mut raw = raw;
-                raw.flags(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES).await;
-                raw.go("scratch").await;
+                let raw = Raw::attach(&h.addr, "scratch").await;
                 let mut sent = Sent::default();
                 let bytes = fuzz_transmission(&mut rng, &mut sent);
                 let got = exchange(raw, bytes).await;
                 check_replies(seed, &got, &mut sent);
             }
         }
-        h.survives(by).await;
     })
     .await;
 }

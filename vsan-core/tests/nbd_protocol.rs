@@ -9,6 +9,8 @@
 //! Requests are held in flight with [`Held`], a device that parks operations until the
 //! test releases them, so ordering is proven by events rather than by sleeping.
 
+mod common;
+
 use std::collections::HashSet;
 use std::future::Future;
 use std::io::ErrorKind as IoKind;
@@ -16,363 +18,21 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use common::{
+    BS, Held, IO_TIMEOUT, MAX_IO, MIB, Raw, SIZE, export_info, geometry, go_data, info_item, mem,
+    option_frame, pattern, req, serve, simple_reply_fields, tempdir,
+};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
-use tokio::task::JoinHandle;
 use vsan_core::export::nbd::proto::*;
 use vsan_core::export::nbd::{Client, Export, Server};
-use vsan_core::{
-    BlockDevice, ErrorKind, FaultyDevice, Geometry, IoFlags, IoFuture, MemDevice, PowerCut,
-};
+use vsan_core::{BlockDevice, ErrorKind, FaultyDevice, Geometry, IoFlags, MemDevice, PowerCut};
 
-const MIB: u64 = 1 << 20;
-const BS: u64 = 512;
-const SIZE: u64 = 16 * MIB;
-const MAX_IO: u32 = 1 << 20;
 /// The deadline of a whole test.
 const TEST_TIMEOUT: Duration = Duration::from_secs(20);
-/// How long one exchange with the server may take before the test calls it a hang.
-const IO_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Run a test body with a deadline, so a hung server fails the test instead of CI.
+/// Run a test body within [`TEST_TIMEOUT`].
 async fn within<T>(body: impl Future<Output = T>) -> T {
-    match tokio::time::timeout(TEST_TIMEOUT, body).await {
-        Ok(v) => v,
-        Err(_) => panic!("test did not finish in {TEST_TIMEOUT:?}: the server hung"),
-    }
-}
-
-/// Bytes that differ per offset and per `tag`, so misplaced or stale data shows.
-fn pattern(tag: u8, offset: u64, len: usize) -> Vec<u8> {
-    (0..len as u64)
-        .map(|i| {
-            let pos = offset + i;
-            ((pos / 7) ^ (pos >> 9)).wrapping_mul(31) as u8 ^ tag
-        })
-        .collect()
-}
-
-fn geometry() -> Geometry {
-    Geometry::with_max_io(SIZE, BS as u32, MAX_IO).unwrap()
-}
-
-fn mem() -> Arc<MemDevice> {
-    Arc::new(MemDevice::new(geometry()))
-}
-
-/// A server listening on 127.0.0.1:0.
-struct Served {
-    server: Server,
-    addr: String,
-    serving: JoinHandle<vsan_core::Result<()>>,
-}
-
-async fn serve(exports: Vec<Export>) -> Served {
-    let server = Server::new(exports).unwrap();
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
-    let s = server.clone();
-    let serving = tokio::spawn(async move { s.serve_tcp(listener).await });
-    Served {
-        server,
-        addr,
-        serving,
-    }
-}
-
-impl Served {
-    /// Wait until the server has no connection left.
-    async fn settle(&self) {
-        let deadline = tokio::time::Instant::now() + IO_TIMEOUT;
-        while self.server.open_connections() != 0 {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "the server still holds {} connection(s) after every client left",
-                self.server.open_connections()
-            );
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-    }
-}
-
-impl Drop for Served {
-    fn drop(&mut self) {
-        self.server.shutdown();
-        self.serving.abort();
-    }
-}
-
-/// A MemDevice whose operations at or above `hold_from` (a flush counts as offset 0) wait
-/// until [`Held::release`]; every operation started is counted, so a test can wait until
-/// the server has really put requests in flight.
-struct Held {
-    inner: MemDevice,
-    hold_from: u64,
-    started: watch::Sender<usize>,
-    released: watch::Sender<bool>,
-}
-
-impl Held {
-    fn new(hold_from: u64) -> Arc<Held> {
-        Arc::new(Held {
-            inner: MemDevice::new(geometry()),
-            hold_from,
-            started: watch::Sender::new(0),
-            released: watch::Sender::new(false),
-        })
-    }
-
-    async fn enter(&self, offset: u64) {
-        self.started.send_modify(|n| *n += 1);
-        if offset >= self.hold_from {
-            let mut rx = self.released.subscribe();
-            let _ = rx.wait_for(|&r| r).await;
-        }
-    }
-
-    /// Wait until `n` operations have started.
-    async fn started(&self, n: usize) {
-        let mut rx = self.started.subscribe();
-        let _ = rx.wait_for(|&s| s >= n).await;
-    }
-
-    fn release(&self) {
-        self.released.send_replace(true);
-    }
-}
-
-impl BlockDevice for Held {
-    fn geometry(&self) -> Geometry {
-        self.inner.geometry()
-    }
-    fn read(&self, offset: u64, len: usize) -> IoFuture<'_, Bytes> {
-        Box::pin(async move {
-            self.enter(offset).await;
-            self.inner.read(offset, len).await
-        })
-    }
-    fn write(&self, offset: u64, data: Bytes, flags: IoFlags) -> IoFuture<'_, ()> {
-        Box::pin(async move {
-            self.enter(offset).await;
-            self.inner.write(offset, data, flags).await
-        })
-    }
-    fn flush(&self) -> IoFuture<'_, ()> {
-        Box::pin(async move {
-            self.enter(0).await;
-            self.inner.flush().await
-        })
-    }
-    fn discard(&self, offset: u64, len: u64) -> IoFuture<'_, ()> {
-        Box::pin(async move {
-            self.enter(offset).await;
-            self.inner.discard(offset, len).await
-        })
-    }
-    fn write_zeroes(&self, offset: u64, len: u64, flags: IoFlags) -> IoFuture<'_, ()> {
-        Box::pin(async move {
-            self.enter(offset).await;
-            self.inner.write_zeroes(offset, len, flags).await
-        })
-    }
-}
-
-/// An option reply as it came off the wire.
-#[derive(Debug)]
-struct OptReply {
-    opt: u32,
-    kind: u32,
-    data: Vec<u8>,
-}
-
-/// A client speaking raw bytes, over any stream.
-struct Raw<S> {
-    s: S,
-}
-
-impl Raw<TcpStream> {
-    async fn connect(addr: &str) -> Raw<TcpStream> {
-        let s = TcpStream::connect(addr).await.unwrap();
-        s.set_nodelay(true).unwrap();
-        Raw::greeted(s).await
-    }
-
-    /// Connect and attach to `export` with OPT_GO.
-    async fn attach(addr: &str, export: &str) -> Raw<TcpStream> {
-        let mut raw = Raw::connect(addr).await;
-        raw.flags(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES).await;
-        raw.go(export).await;
-        raw
-    }
-}
-
-impl<S: AsyncRead + AsyncWrite + Unpin> Raw<S> {
-    /// Read and check the greeting on a fresh connection.
-    async fn greeted(s: S) -> Raw<S> {
-        let mut raw = Raw { s };
-        let g = raw.read_exact(18).await;
-        assert_eq!(u64::from_be_bytes(g[0..8].try_into().unwrap()), NBDMAGIC);
-        assert_eq!(u64::from_be_bytes(g[8..16].try_into().unwrap()), IHAVEOPT);
-        assert_eq!(
-            u16::from_be_bytes([g[16], g[17]]),
-            FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES
-        );
-        raw
-    }
-
-    async fn send(&mut self, b: &[u8]) {
-        tokio::time::timeout(IO_TIMEOUT, self.s.write_all(b))
-            .await
-            .expect("send timed out")
-            .unwrap();
-    }
-
-    async fn read_exact(&mut self, n: usize) -> Vec<u8> {
-        let mut b = vec![0u8; n];
-        tokio::time::timeout(IO_TIMEOUT, self.s.read_exact(&mut b))
-            .await
-            .expect("timed out waiting for the server")
-            .unwrap();
-        b
-    }
-
-    async fn flags(&mut self, f: u32) {
-        self.send(&f.to_be_bytes()).await;
-    }
-
-    async fn option(&mut self, opt: u32, data: &[u8]) {
-        let mut b = Vec::with_capacity(16 + data.len());
-        b.extend_from_slice(&IHAVEOPT.to_be_bytes());
-        b.extend_from_slice(&opt.to_be_bytes());
-        b.extend_from_slice(&(data.len() as u32).to_be_bytes());
-        b.extend_from_slice(data);
-        self.send(&b).await;
-    }
-
-    async fn option_reply(&mut self) -> OptReply {
-        let h = self.read_exact(20).await;
-        assert_eq!(
-            u64::from_be_bytes(h[0..8].try_into().unwrap()),
-            REPLY_MAGIC_OPT
-        );
-        let opt = u32::from_be_bytes(h[8..12].try_into().unwrap());
-        let kind = u32::from_be_bytes(h[12..16].try_into().unwrap());
-        let len = u32::from_be_bytes(h[16..20].try_into().unwrap());
-        assert!(len <= 64 << 10, "option reply of {len} bytes");
-        let data = self.read_exact(len as usize).await;
-        OptReply { opt, kind, data }
-    }
-
-    /// All replies to one INFO or GO, up to and including the final one.
-    async fn info_replies(&mut self, opt: u32, export: &[u8], infos: &[u16]) -> Vec<OptReply> {
-        self.option(opt, &go_data(export, infos)).await;
-        let mut replies = Vec::new();
-        loop {
-            let r = self.option_reply().await;
-            assert_eq!(r.opt, opt);
-            let last = r.kind != REP_INFO;
-            replies.push(r);
-            if last {
-                return replies;
-            }
-        }
-    }
-
-    /// OPT_GO to `export`; returns (size, transmission flags).
-    async fn go(&mut self, export: &str) -> (u64, u16) {
-        let replies = self
-            .info_replies(OPT_GO, export.as_bytes(), &[INFO_BLOCK_SIZE])
-            .await;
-        let last = replies.last().unwrap();
-        assert_eq!(last.kind, REP_ACK, "GO {export:?} refused: {last:?}");
-        export_info(&replies).expect("GO acknowledged without INFO_EXPORT")
-    }
-
-    async fn request(&mut self, kind: u16, flags: u16, cookie: u64, offset: u64, length: u32) {
-        self.send(&req(kind, flags, cookie, offset, length).encode())
-            .await;
-    }
-
-    async fn write(&mut self, flags: u16, cookie: u64, offset: u64, data: &[u8]) {
-        let mut b = req(CMD_WRITE, flags, cookie, offset, data.len() as u32)
-            .encode()
-            .to_vec();
-        b.extend_from_slice(data);
-        self.send(&b).await;
-    }
-
-    /// Read one simple reply: (errno, cookie).
-    async fn reply(&mut self) -> (u32, u64) {
-        let h = self.read_exact(SIMPLE_REPLY_LEN).await;
-        assert_eq!(
-            u32::from_be_bytes(h[0..4].try_into().unwrap()),
-            SIMPLE_REPLY_MAGIC
-        );
-        (
-            u32::from_be_bytes(h[4..8].try_into().unwrap()),
-            u64::from_be_bytes(h[8..16].try_into().unwrap()),
-        )
-    }
-
-    /// Read until the server closes; returns what it sent before that. A reset counts as
-    /// a failure here: every case using this expects an orderly close.
-    async fn expect_eof(&mut self) -> Vec<u8> {
-        let mut got = Vec::new();
-        match tokio::time::timeout(IO_TIMEOUT, self.s.read_to_end(&mut got)).await {
-            Err(_) => panic!("the server kept the connection open"),
-            Ok(Ok(_)) => got,
-            Ok(Err(e)) => panic!(
-                "the connection was reset instead of closed ({e}) after {} bytes",
-                got.len()
-            ),
-        }
-    }
-}
-
-/// Data of an OPT_INFO / OPT_GO request.
-fn go_data(name: &[u8], infos: &[u16]) -> Vec<u8> {
-    let mut d = Vec::new();
-    d.extend_from_slice(&(name.len() as u32).to_be_bytes());
-    d.extend_from_slice(name);
-    d.extend_from_slice(&(infos.len() as u16).to_be_bytes());
-    for i in infos {
-        d.extend_from_slice(&i.to_be_bytes());
-    }
-    d
-}
-
-/// (size, flags) from the INFO_EXPORT among `replies`.
-fn export_info(replies: &[OptReply]) -> Option<(u64, u16)> {
-    replies.iter().find_map(|r| {
-        (r.kind == REP_INFO && r.data.get(0..2) == Some(&INFO_EXPORT.to_be_bytes()[..])).then(
-            || {
-                assert_eq!(r.data.len(), 12, "INFO_EXPORT is 12 bytes");
-                (
-                    u64::from_be_bytes(r.data[2..10].try_into().unwrap()),
-                    u16::from_be_bytes([r.data[10], r.data[11]]),
-                )
-            },
-        )
-    })
-}
-
-/// The payload of the info item `info` among `replies`.
-fn info_item(replies: &[OptReply], info: u16) -> Option<&[u8]> {
-    replies.iter().find_map(|r| {
-        (r.kind == REP_INFO && r.data.get(0..2) == Some(&info.to_be_bytes()[..]))
-            .then(|| &r.data[2..])
-    })
-}
-
-fn req(kind: u16, flags: u16, cookie: u64, offset: u64, length: u32) -> Request {
-    Request {
-        flags,
-        kind,
-        cookie,
-        offset,
-        length,
-    }
+    common::within(TEST_TIMEOUT, body).await
 }
 
 const RW_FLAGS: u16 = TFLAG_HAS_FLAGS
@@ -478,7 +138,7 @@ async fn disc_answers_requests_in_flight_then_closes() {
         b.extend_from_slice(&req(CMD_FLUSH, 0, 100, 0, 0).encode());
         b.extend_from_slice(&req(CMD_DISC, 0, 200, 0, 0).encode());
         raw.send(&b).await;
-        raw.s.shutdown().await.unwrap();
+        raw.close_write().await;
         // All 17 sit in the device when the server reads DISC.
         disk.started(17).await;
         disk.release();
@@ -530,7 +190,7 @@ async fn fua_flag_is_accepted_on_every_command() {
         );
         // DISC with FUA is still a DISC: no reply, the connection closes.
         raw.request(CMD_DISC, CMD_FLAG_FUA, 5, 0, 0).await;
-        raw.s.shutdown().await.unwrap();
+        raw.close_write().await;
         assert_eq!(raw.expect_eof().await, b"", "DISC + FUA was answered");
     })
     .await;
@@ -698,7 +358,7 @@ async fn sixteen_connections_each_write_and_verify_their_region() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unix_socket_serves_too() {
     within(async {
-        let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+        let dir = tempdir();
         let path = dir.path().join("vol0.sock");
         let server = Server::new(vec![Export::new("vol0", mem())]).unwrap();
         let listener = tokio::net::UnixListener::bind(&path).unwrap();
@@ -729,8 +389,7 @@ async fn info_then_go_on_one_connection() {
             Export::new("ro", mem()).read_only(true),
         ])
         .await;
-        let mut raw = Raw::connect(&srv.addr).await;
-        raw.flags(FLAG_C_FIXED_NEWSTYLE).await;
+        let mut raw = Raw::negotiating(&srv.addr, FLAG_C_FIXED_NEWSTYLE).await;
         let infos = [INFO_NAME, INFO_DESCRIPTION, INFO_BLOCK_SIZE];
         let r = raw.info_replies(OPT_INFO, b"vol0", &infos).await;
         assert_eq!(r.last().unwrap().kind, REP_ACK);
@@ -771,8 +430,7 @@ async fn opt_list_lists_every_export() {
             Export::new("archive", mem()).read_only(true),
         ])
         .await;
-        let mut raw = Raw::connect(&srv.addr).await;
-        raw.flags(FLAG_C_FIXED_NEWSTYLE).await;
+        let mut raw = Raw::negotiating(&srv.addr, FLAG_C_FIXED_NEWSTYLE).await;
         raw.option(OPT_LIST, &[]).await;
         let mut listed = Vec::new();
         loop {
@@ -810,8 +468,7 @@ async fn empty_export_name_selects_the_only_export() {
         assert!(disk.read(0, 4096).await.unwrap() == pattern(3, 0, 4096));
         c.disconnect().await.unwrap();
         // EXPORT_NAME "" works as well.
-        let mut raw = Raw::connect(&one.addr).await;
-        raw.flags(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES).await;
+        let mut raw = Raw::negotiating(&one.addr, FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES).await;
         raw.option(OPT_EXPORT_NAME, b"").await;
         let info = raw.read_exact(10).await;
         assert_eq!(u64::from_be_bytes(info[0..8].try_into().unwrap()), SIZE);
@@ -819,8 +476,7 @@ async fn empty_export_name_selects_the_only_export() {
         let two = serve(vec![Export::new("vol0", mem()), Export::new("vol1", mem())]).await;
         let err = Client::connect_tcp(&two.addr, "").await.unwrap_err();
         assert_eq!(err.kind(), ErrorKind::NotFound);
-        let mut raw = Raw::connect(&two.addr).await;
-        raw.flags(FLAG_C_FIXED_NEWSTYLE).await;
+        let mut raw = Raw::negotiating(&two.addr, FLAG_C_FIXED_NEWSTYLE).await;
         let r = raw.info_replies(OPT_GO, b"", &[]).await;
         assert_eq!(r.len(), 1);
         assert_eq!(r[0].kind, REP_ERR_UNKNOWN);
@@ -844,8 +500,7 @@ async fn export_name_sends_124_zeroes_unless_no_zeroes() {
             (0, true),
             (FLAG_C_NO_ZEROES, false),
         ] {
-            let mut raw = Raw::connect(&srv.addr).await;
-            raw.flags(flags).await;
+            let mut raw = Raw::negotiating(&srv.addr, flags).await;
             raw.option(OPT_EXPORT_NAME, b"vol0").await;
             let info = raw.read_exact(10).await;
             assert_eq!(u64::from_be_bytes(info[0..8].try_into().unwrap()), SIZE);
@@ -1067,9 +722,8 @@ async fn shutdown_with_more_requests_queued_answers_those_it_took_cleanly() {
             let r = got
                 .get(pos..pos + SIMPLE_REPLY_LEN)
                 .expect("a reply cut short");
-            assert_eq!(r[..4], SIMPLE_REPLY_MAGIC.to_be_bytes());
-            let errno = u32::from_be_bytes(r[4..8].try_into().unwrap());
-            let cookie = u64::from_be_bytes(r[8..16].try_into().unwrap());
+            let (magic, errno, cookie) = simple_reply_fields(r);
+            assert_eq!(magic, SIMPLE_REPLY_MAGIC);
             assert!(
                 cookie < 512,
                 "request {cookie} was never read, yet answered"
@@ -1139,11 +793,8 @@ async fn cannot_attach_after_shutdown<S: AsyncRead + AsyncWrite + Unpin>(
             return;
         }
     }
-    let mut go = IHAVEOPT.to_be_bytes().to_vec();
-    go.extend_from_slice(&OPT_GO.to_be_bytes());
     let data = go_data(b"vol0", &[]);
-    go.extend_from_slice(&(data.len() as u32).to_be_bytes());
-    go.extend_from_slice(&data);
+    let go = option_frame(IHAVEOPT, OPT_GO, data.len() as u32, &data);
     if s.write_all(&go).await.is_err() {
         return;
     }
@@ -1167,8 +818,7 @@ async fn options_after_shutdown_get_err_shutdown() {
     within(async {
         let srv = serve(vec![Export::new("vol0", mem())]).await;
         // A connection accepted before the shutdown, negotiating after it.
-        let mut raw = Raw::connect(&srv.addr).await;
-        raw.flags(FLAG_C_FIXED_NEWSTYLE).await;
+        let raw = Raw::negotiating(&srv.addr, FLAG_C_FIXED_NEWSTYLE).await;
         srv.server.shutdown();
         cannot_attach_after_shutdown(raw.s, true).await;
     })
