@@ -3,7 +3,8 @@
 //!
 //! `vsan-bench nbd` runs fio's nbd engine (4 KiB random reads and writes, iodepth 32,
 //! over a Unix socket) against `vsan-node`, nbdkit's file plugin and `qemu-nbd -f raw -t`,
-//! each exporting the same kind of freshly filled file, alternating the servers within
+//! each exporting the same kind of file (a filled one for reads, a fresh sparse one for
+//! writes), alternating the servers within
 //! each round so drift on a noisy machine hits all of them alike. It prints IOPS, p50/p99
 //! completion latency, and each server's ratio to nbdkit. A server whose program is not
 //! installed is reported as missing, not silently dropped.
@@ -74,10 +75,10 @@ struct Sample {
 fn median(v: &[f64]) -> f64 {
     let mut v = v.to_vec();
     v.sort_by(f64::total_cmp);
-    if v.is_empty() {
-        f64::NAN
-    } else {
-        v[v.len() / 2]
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
     }
 }
 
@@ -162,7 +163,9 @@ impl Drop for Running {
 fn wait_for_socket(sock: &Path, child: &mut Child) -> Result<(), BoxError> {
     let deadline = Instant::now() + Duration::from_secs(20);
     while Instant::now() < deadline {
-        if std::os::unix::net::UnixStream::connect(sock).is_ok() {
+        // The socket file appears once the server listens. (Probing with a connection
+        // would make servers log a failed handshake.)
+        if sock.exists() {
             return Ok(());
         }
         if let Some(status) = child.try_wait()? {
@@ -292,9 +295,14 @@ fn nbd_bench(
         }
     }
     let size = size_mib << 20;
-    let image = dir.join("bench.img");
-    println!("filling {} ({size_mib} MiB)...", image.display());
-    fill(&image, size)?;
+    // Reads go to a file filled once with data (clean pages in the page cache). Writes go
+    // to a fresh sparse file per run: rewriting clean, already-synced pages costs the
+    // kernel several times more than the servers' own work, and how many of them a run
+    // meets would depend on what ran before it.
+    let read_image = dir.join("bench-read.img");
+    let write_image = dir.join("bench-write.img");
+    println!("filling {} ({size_mib} MiB)...", read_image.display());
+    fill(&read_image, size)?;
 
     let workloads = ["randwrite", "randread"];
     let mut results: Vec<(ServerKind, &str, Sample)> = Vec::new();
@@ -309,7 +317,14 @@ fn nbd_bench(
         order.rotate_left(round as usize % kinds.len());
         for w in workloads {
             for &k in &order {
-                let (server, sock) = start(k, &dir, &image, size, &vsan_node)?;
+                let image = if w == "randread" {
+                    &read_image
+                } else {
+                    let _ = std::fs::remove_file(&write_image);
+                    std::fs::File::create(&write_image)?.set_len(size)?;
+                    &write_image
+                };
+                let (server, sock) = start(k, &dir, image, size, &vsan_node)?;
                 let (iops, p50, p99) = fio(&sock, w, seconds, iodepth, size)?;
                 drop(server);
                 println!(
@@ -354,6 +369,7 @@ fn nbd_bench(
             );
         }
     }
-    let _ = std::fs::remove_file(&image);
+    let _ = std::fs::remove_file(&read_image);
+    let _ = std::fs::remove_file(&write_image);
     Ok(())
 }
