@@ -107,7 +107,7 @@ fn default_transport() -> String {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum Backing {
-    /// A file (data_dir/<name>.img unless `path` says otherwise) or a block device.
+    /// A file (`data_dir/<name>.img` unless `path` says otherwise) or a block device.
     #[default]
     File,
     /// RAM; gone when the node stops.
@@ -138,7 +138,7 @@ pub struct DiskSection {
     /// file | mem.
     #[serde(default)]
     pub backing: Backing,
-    /// Image path for `backing = "file"`; default data_dir/<name>.img.
+    /// Image path for `backing = "file"`; default `data_dir/<name>.img`.
     pub path: Option<PathBuf>,
     /// Logical block size (512 by default).
     #[serde(default = "default_block_size")]
