@@ -184,13 +184,7 @@ fn qemu_io_patterns_survive_across_connections() {
         "qemu-io exited 0 on a failed pattern:\n{out}"
     );
 
-    let stopped = node.stop(Sig::TERM);
-    assert!(
-        stopped.status.success(),
-        "exit {}\n{}",
-        stopped.status,
-        stopped.log
-    );
+    node.stop_clean(Sig::TERM);
     let image = dir.data_dir().join("vol0.img");
     assert_eq!(std::fs::metadata(&image).map(|m| m.len()).ok(), Some(size));
     for r in regions.iter().chain(&gaps) {
@@ -236,13 +230,7 @@ fn nbdinfo_sees_the_configured_size_over_tcp_and_unix() {
     let unnamed = format!("nbd+unix:///?socket={}", sock.display());
     assert_eq!(nbdinfo_size(&unnamed), 24 * MIB);
 
-    let stopped = node.stop(Sig::TERM);
-    assert!(
-        stopped.status.success(),
-        "exit {}\n{}",
-        stopped.status,
-        stopped.log
-    );
+    node.stop_clean(Sig::TERM);
     assert!(
         !sock.exists(),
         "the socket {} is left after a clean stop",
@@ -273,13 +261,7 @@ fn nbdcopy_round_trip_is_byte_identical() {
     let got = std::fs::read(&back).expect("read the copy");
     assert_same_bytes(&got, &data, "nbdcopy out of the export");
 
-    let stopped = node.stop(Sig::TERM);
-    assert!(
-        stopped.status.success(),
-        "exit {}\n{}",
-        stopped.status,
-        stopped.log
-    );
+    node.stop_clean(Sig::TERM);
     let image = std::fs::read(dir.data_dir().join("vol0.img")).expect("read the image");
     assert_same_bytes(&image, &data, "image file after stop");
 }
@@ -320,13 +302,7 @@ fn fio_random_writes_verify() {
         "fio did not verify every block it wrote:\n{out}"
     );
 
-    let stopped = node.stop(Sig::TERM);
-    assert!(
-        stopped.status.success(),
-        "exit {}\n{}",
-        stopped.status,
-        stopped.log
-    );
+    node.stop_clean(Sig::TERM);
 }
 
 #[test]
@@ -381,13 +357,7 @@ fn sixteen_qemu_io_clients_at_once() {
         assert!(out.stdout.contains(&r.read_line()), "missing {r:?}:\n{out}");
     }
 
-    let stopped = node.stop(Sig::TERM);
-    assert!(
-        stopped.status.success(),
-        "exit {}\n{}",
-        stopped.status,
-        stopped.log
-    );
+    node.stop_clean(Sig::TERM);
 }
 
 #[test]

@@ -501,6 +501,18 @@ impl Node {
             ),
         }
     }
+
+    /// Stop with `sig` and require a clean exit (status 0).
+    pub fn stop_clean(self, sig: Signal) -> Stopped {
+        let stopped = self.stop(sig);
+        assert!(
+            stopped.status.success(),
+            "exit {}\n{}",
+            stopped.status,
+            stopped.log
+        );
+        stopped
+    }
 }
 
 /// `ready disk=<name> nbd=<addr>` → (name, addr).
