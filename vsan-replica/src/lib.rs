@@ -1,13 +1,19 @@
-//! # vsan-replica (not yet implemented)
+//! # vsan-replica (in progress)
 //!
-//! This crate will hold `MirroredDisk`: a [`BlockDevice`](vsan_core::BlockDevice) that
-//! mirrors every write synchronously to a peer node (protocol C), serves reads from the
-//! local replica, tracks dirty chunks while the peer is away and resyncs only what
-//! changed. See `DESIGN.md` ("vsan-replica") for the plan.
+//! Two-way synchronous mirroring: `MirroredDisk`, a
+//! [`BlockDevice`](vsan_core::BlockDevice) that writes every request to the local replica
+//! and the peer's at once and completes it only when both have it (protocol C), serves
+//! reads locally, and lets both nodes write the same disk at the same time.
+//! See `DESIGN.md` ("vsan-replica") for the whole plan.
 //!
-//! **Status:** nothing here works yet. The crate exists so the workspace has its final
-//! shape; it exports no types, and nothing pretends otherwise.
+//! **Status:** the sans-IO protocol ([`protocol`]) works and is tested by driving two
+//! endpoints through every interleaving of message delivery and local I/O completion:
+//! handshake checks, protocol C writes, flush and FUA on both nodes, active-active
+//! ordering with a resolver, peer loss (degraded), local disk detach. The wire codec,
+//! transports, the tokio driver and `MirroredDisk` itself are not here yet.
 #![deny(missing_docs)]
+
+pub mod protocol;
 
 #[cfg(test)]
 mod tests {

@@ -1,0 +1,25 @@
+//! The mirror protocol as a sans-IO state machine: no sockets, no clock, no tokio.
+//!
+//! ```text
+//!   caller ── submit_write / submit_flush / submit_read ──┐
+//!   driver ── handle_connected / handle_message /         │      ┌── poll_transmit  → link
+//!             handle_local_done / handle_timeout(now) ────┼─> Endpoint ── poll_local_io → local replica
+//!                                                         │      ├── poll_event     → completions, state
+//!                                                         │      └── poll_timeout   → driver's timer
+//! ```
+//!
+//! [`Endpoint`] holds one node's half of one mirrored disk. The driver (a tokio task)
+//! pumps it; tests drive two endpoints against each other in one thread with full control
+//! over message delivery and local I/O completion (see the `tests` module).
+
+mod endpoint;
+pub mod message;
+mod ranges;
+
+#[cfg(test)]
+mod tests;
+
+pub use endpoint::{
+    Config, Endpoint, Event, LinkState, LocalIo, LocalOpId, LocalResult, RequestId,
+};
+pub use message::{DiskId, Hello, Message, PROTOCOL_VERSION, Status, WritePayload};

@@ -1,0 +1,554 @@
+//! Two endpoints driven against each other in one thread (quinn's `Pair` style): every
+//! message delivery and every local I/O completion is an explicit step, so tests can
+//! enumerate the orders in which they happen.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use vsan_core::ErrorKind;
+
+use super::*;
+
+const SIZE: u64 = 64 * 1024;
+const BS: u32 = 512;
+
+#[derive(Clone)]
+struct Node {
+    ep: Endpoint,
+    disk: Vec<u8>,
+    /// Durable image: what survives a crash (updated by flush and FUA).
+    durable: Vec<u8>,
+    /// Local I/O issued but not completed, in issue order.
+    io: Vec<LocalIo>,
+    /// Messages on the wire towards this node.
+    inbox: VecDeque<Message>,
+    completed: Vec<(RequestId, Result<Option<Bytes>, ErrorKind>)>,
+    events: Vec<Event>,
+    fail_local: bool,
+}
+
+impl Node {
+    fn new(id: u32, peer: u32, now: Instant) -> Node {
+        let mut cfg = Config::new(id, peer, DiskId([7; 16]), "vol0", SIZE, BS);
+        cfg.peer_timeout = Duration::from_secs(5);
+        Node {
+            ep: Endpoint::new(cfg, now),
+            disk: vec![0; SIZE as usize],
+            durable: vec![0; SIZE as usize],
+            io: Vec::new(),
+            inbox: VecDeque::new(),
+            completed: Vec::new(),
+            events: Vec::new(),
+            fail_local: false,
+        }
+    }
+
+    fn result_of(&self, req: RequestId) -> Option<&Result<Option<Bytes>, ErrorKind>> {
+        self.completed
+            .iter()
+            .find(|(r, _)| *r == req)
+            .map(|(_, res)| res)
+    }
+}
+
+#[derive(Clone)]
+struct Pair {
+    now: Instant,
+    /// Node 1 (the resolver) and node 2.
+    n: [Node; 2],
+}
+
+impl Pair {
+    fn new() -> Pair {
+        let now = Instant::now();
+        Pair {
+            now,
+            n: [Node::new(1, 2, now), Node::new(2, 1, now)],
+        }
+    }
+
+    /// A pair that has completed its handshake.
+    fn connected() -> Pair {
+        let mut p = Pair::new();
+        p.connect();
+        p.run();
+        assert_eq!(p.n[0].ep.state(), LinkState::Connected);
+        assert_eq!(p.n[1].ep.state(), LinkState::Connected);
+        p
+    }
+
+    fn connect(&mut self) {
+        let now = self.now;
+        for n in &mut self.n {
+            n.ep.handle_connected(now);
+        }
+        self.pump();
+    }
+
+    /// Move every output of both endpoints to where it goes.
+    fn pump(&mut self) {
+        for i in 0..2 {
+            while let Some(m) = self.n[i].ep.poll_transmit() {
+                self.n[1 - i].inbox.push_back(m);
+            }
+            let n = &mut self.n[i];
+            while let Some(io) = n.ep.poll_local_io() {
+                n.io.push(io);
+            }
+            while let Some(e) = n.ep.poll_event() {
+                if let Event::Completed { request, result } = &e {
+                    n.completed.push((*request, result.clone()));
+                }
+                n.events.push(e);
+            }
+        }
+    }
+
+    fn deliver(&mut self, to: usize) -> bool {
+        let Some(m) = self.n[to].inbox.pop_front() else {
+            return false;
+        };
+        let now = self.now;
+        self.n[to].ep.handle_message(now, m);
+        self.pump();
+        true
+    }
+
+    fn complete_io(&mut self, node: usize, index: usize) {
+        let now = self.now;
+        let n = &mut self.n[node];
+        let io = n.io.remove(index);
+        let (op, result) = match io {
+            LocalIo::Write {
+                op,
+                offset,
+                payload,
+                fua,
+            } => {
+                if n.fail_local {
+                    (op, Err(ErrorKind::Io))
+                } else {
+                    let range = offset as usize..(offset + payload.len()) as usize;
+                    match &payload {
+                        WritePayload::Data(d) => n.disk[range.clone()].copy_from_slice(d),
+                        WritePayload::Zeroes { .. } | WritePayload::Discard { .. } => {
+                            n.disk[range.clone()].fill(0)
+                        }
+                    }
+                    if fua {
+                        n.durable[range.clone()].copy_from_slice(&n.disk[range]);
+                    }
+                    (op, Ok(None))
+                }
+            }
+            LocalIo::Flush { op } => {
+                if n.fail_local {
+                    (op, Err(ErrorKind::Io))
+                } else {
+                    n.durable.copy_from_slice(&n.disk);
+                    (op, Ok(None))
+                }
+            }
+            LocalIo::Read { op, offset, len } => {
+                if n.fail_local {
+                    (op, Err(ErrorKind::Io))
+                } else {
+                    let data = Bytes::copy_from_slice(
+                        &n.disk[offset as usize..offset as usize + len as usize],
+                    );
+                    (op, Ok(Some(data)))
+                }
+            }
+        };
+        n.ep.handle_local_done(now, op, result);
+        self.pump();
+    }
+
+    /// Deliver everything and complete all I/O in order until nothing moves.
+    fn run(&mut self) {
+        loop {
+            let mut moved = false;
+            for i in 0..2 {
+                while self.deliver(i) {
+                    moved = true;
+                }
+                while !self.n[i].io.is_empty() {
+                    self.complete_io(i, 0);
+                    moved = true;
+                }
+            }
+            if !moved {
+                return;
+            }
+        }
+    }
+
+    fn write(&mut self, node: usize, offset: u64, data: Vec<u8>, fua: bool) -> RequestId {
+        let now = self.now;
+        let r =
+            self.n[node]
+                .ep
+                .submit_write(now, offset, WritePayload::Data(Bytes::from(data)), fua);
+        self.pump();
+        r
+    }
+
+    /// The possible next steps: deliver to a node, or complete one of its pending I/Os.
+    fn steps(&self) -> Vec<(usize, Option<usize>)> {
+        let mut out = Vec::new();
+        for i in 0..2 {
+            if !self.n[i].inbox.is_empty() {
+                out.push((i, None));
+            }
+            for k in 0..self.n[i].io.len() {
+                out.push((i, Some(k)));
+            }
+        }
+        out
+    }
+
+    fn step(&mut self, s: (usize, Option<usize>)) {
+        match s {
+            (i, None) => {
+                self.deliver(i);
+            }
+            (i, Some(k)) => self.complete_io(i, k),
+        }
+    }
+}
+
+fn fill(byte: u8, len: usize) -> Vec<u8> {
+    vec![byte; len]
+}
+
+/// Explore every order of steps from `p` (depth-first), calling `check` at each end.
+fn explore(p: &Pair, leaves: &mut u64, check: &mut dyn FnMut(&Pair)) {
+    let steps = p.steps();
+    if steps.is_empty() {
+        *leaves += 1;
+        check(p);
+        return;
+    }
+    for s in steps {
+        let mut q = p.clone();
+        q.step(s);
+        explore(&q, leaves, check);
+    }
+}
+
+#[test]
+fn handshake_then_mirrored_write_lands_on_both() {
+    let mut p = Pair::connected();
+    let r = p.write(0, 4096, fill(0xa5, 4096), false);
+    p.run();
+    assert_eq!(p.n[0].result_of(r), Some(&Ok(None)));
+    assert_eq!(&p.n[0].disk[4096..8192], &fill(0xa5, 4096)[..]);
+    assert_eq!(p.n[0].disk, p.n[1].disk);
+}
+
+#[test]
+fn a_write_completes_only_after_both_sides_have_it() {
+    let mut p = Pair::connected();
+    let r = p.write(0, 0, fill(1, 512), false);
+    // Local write done, peer has not even received it.
+    p.complete_io(0, 0);
+    assert_eq!(p.n[0].result_of(r), None);
+    // Peer receives and applies, but the ack is still on the wire.
+    p.deliver(1);
+    p.complete_io(1, 0);
+    assert_eq!(p.n[0].result_of(r), None);
+    p.deliver(0);
+    assert_eq!(p.n[0].result_of(r), Some(&Ok(None)));
+}
+
+#[test]
+fn local_write_and_send_start_together() {
+    let mut p = Pair::connected();
+    p.write(1, 0, fill(1, 512), false);
+    assert_eq!(p.n[1].io.len(), 1, "local write issued");
+    assert_eq!(
+        p.n[0].inbox.len(),
+        1,
+        "write sent to the peer at the same time"
+    );
+}
+
+#[test]
+fn flush_covers_writes_completed_before_it_on_both_nodes() {
+    let mut p = Pair::connected();
+    let w = p.write(0, 0, fill(3, 1024), false);
+    p.run();
+    assert!(p.n[0].result_of(w).is_some());
+    let now = p.now;
+    let f = p.n[0].ep.submit_flush(now);
+    p.pump();
+    // The flush must not complete before the peer has flushed.
+    p.complete_io(0, 0);
+    assert_eq!(p.n[0].result_of(f), None);
+    p.run();
+    assert_eq!(p.n[0].result_of(f), Some(&Ok(None)));
+    assert_eq!(&p.n[0].durable[..1024], &fill(3, 1024)[..]);
+    assert_eq!(&p.n[1].durable[..1024], &fill(3, 1024)[..]);
+}
+
+#[test]
+fn fua_is_honoured_on_both_nodes() {
+    let mut p = Pair::connected();
+    p.write(1, 2048, fill(9, 512), true);
+    p.run();
+    for n in &p.n {
+        assert_eq!(&n.durable[2048..2560], &fill(9, 512)[..]);
+    }
+}
+
+#[test]
+fn mismatched_peers_are_refused_with_a_reason_on_both_sides() {
+    type Tweak = fn(&mut Config);
+    let cases: [(Tweak, &str); 4] = [
+        (|c| c.size = SIZE * 2, "disk size mismatch"),
+        (|c| c.disk_id = DiskId([9; 16]), "disk id mismatch"),
+        (|c| c.block_size = 4096, "block size mismatch"),
+        (|c| c.peer_id = 3, "node id mismatch"),
+    ];
+    for (tweak, needle) in cases {
+        let now = Instant::now();
+        let mut p = Pair::new();
+        let mut cfg = Config::new(2, 1, DiskId([7; 16]), "vol0", SIZE, BS);
+        tweak(&mut cfg);
+        p.n[1].ep = Endpoint::new(cfg, now);
+        p.connect();
+        p.run();
+        for n in &p.n {
+            let reason = n
+                .events
+                .iter()
+                .find_map(|e| match e {
+                    Event::Refused { reason } => Some(reason.clone()),
+                    _ => None,
+                })
+                .unwrap_or_default();
+            assert!(reason.contains(needle), "{needle}: got {reason:?}");
+            assert_ne!(n.ep.state(), LinkState::Connected);
+        }
+    }
+}
+
+#[test]
+fn overlapping_writes_from_both_sides_in_every_interleaving_end_identical() {
+    // Same range, partial overlap, and containment.
+    let shapes: [((u64, usize), (u64, usize)); 3] = [
+        ((0, 1024), (0, 1024)),
+        ((0, 1024), (512, 1024)),
+        ((0, 2048), (512, 512)),
+    ];
+    for ((oa, la), (ob, lb)) in shapes {
+        let mut p = Pair::connected();
+        let ra = p.write(0, oa, fill(0xaa, la), false);
+        let rb = p.write(1, ob, fill(0xbb, lb), false);
+        let mut leaves = 0;
+        explore(&p, &mut leaves, &mut |q| {
+            assert_eq!(q.n[0].disk, q.n[1].disk, "replicas differ");
+            assert_eq!(q.n[0].result_of(ra), Some(&Ok(None)));
+            assert_eq!(q.n[1].result_of(rb), Some(&Ok(None)));
+            // Concurrent overlapping writes: the resolver's (node 1's) wins.
+            assert_eq!(
+                &q.n[0].disk[oa as usize..oa as usize + la],
+                &fill(0xaa, la)[..]
+            );
+        });
+        assert!(leaves > 100, "only {leaves} interleavings explored");
+    }
+}
+
+#[test]
+fn three_overlapping_writes_in_every_interleaving_end_identical() {
+    let mut p = Pair::connected();
+    let r1 = p.write(0, 0, fill(0x11, 1024), false);
+    let r2 = p.write(1, 512, fill(0x22, 1024), false);
+    let r3 = p.write(1, 0, fill(0x33, 512), false);
+    let mut leaves = 0;
+    explore(&p, &mut leaves, &mut |q| {
+        assert_eq!(q.n[0].disk, q.n[1].disk, "replicas differ");
+        assert_eq!(q.n[0].result_of(r1), Some(&Ok(None)));
+        assert_eq!(q.n[1].result_of(r2), Some(&Ok(None)));
+        assert_eq!(q.n[1].result_of(r3), Some(&Ok(None)));
+    });
+    assert!(leaves > 1000, "only {leaves} interleavings explored");
+}
+
+#[test]
+fn a_write_submitted_after_seeing_the_peers_write_wins_on_both() {
+    // Node 2 writes; node 1 receives it, and only then writes the same range: node 1's
+    // write is later in every sense and must be what both replicas hold.
+    let mut p = Pair::connected();
+    p.write(1, 0, fill(0x22, 512), false);
+    p.deliver(0);
+    let mut leaves = 0;
+    let r = p.write(0, 0, fill(0x11, 512), false);
+    explore(&p, &mut leaves, &mut |q| {
+        assert_eq!(q.n[0].disk, q.n[1].disk);
+        assert_eq!(&q.n[0].disk[..512], &fill(0x11, 512)[..]);
+        assert_eq!(q.n[0].result_of(r), Some(&Ok(None)));
+    });
+    // And the same with the roles swapped (the non-resolver writes second).
+    let mut p = Pair::connected();
+    p.write(0, 0, fill(0x11, 512), false);
+    p.deliver(1);
+    let r = p.write(1, 0, fill(0x22, 512), false);
+    explore(&p, &mut leaves, &mut |q| {
+        assert_eq!(q.n[0].disk, q.n[1].disk);
+        assert_eq!(&q.n[1].disk[..512], &fill(0x22, 512)[..]);
+        assert_eq!(q.n[1].result_of(r), Some(&Ok(None)));
+    });
+}
+
+#[test]
+fn peer_timeout_completes_writes_degraded_and_refuses_reconnect() {
+    let mut p = Pair::connected();
+    let r = p.write(0, 0, fill(5, 512), false);
+    p.complete_io(0, 0);
+    // The peer never answers.
+    let deadline = p.n[0].ep.poll_timeout().expect("a timer is armed");
+    assert!(deadline <= p.now + Duration::from_secs(5));
+    let later = p.now + Duration::from_secs(6);
+    p.n[0].ep.handle_timeout(later);
+    p.pump();
+    assert_eq!(p.n[0].ep.state(), LinkState::Degraded);
+    assert_eq!(
+        p.n[0].result_of(r),
+        Some(&Ok(None)),
+        "completed on the survivor alone"
+    );
+    assert!(
+        p.n[0]
+            .events
+            .iter()
+            .any(|e| matches!(e, Event::PeerLost { .. }))
+    );
+    assert!(p.n[0].ep.is_diverged());
+
+    // A new link: both sides refuse with "resync required".
+    p.n[0].inbox.clear();
+    p.n[1].inbox.clear();
+    p.n[1].ep.handle_disconnected(later, "reset");
+    p.now = later;
+    p.connect();
+    p.run();
+    for n in &p.n {
+        assert!(
+            n.events.iter().any(
+                |e| matches!(e, Event::Refused { reason } if reason.contains("resync required"))
+            ),
+            "{:?}",
+            n.events
+        );
+    }
+}
+
+#[test]
+fn idle_link_is_pinged_and_a_silent_peer_is_lost() {
+    let mut p = Pair::connected();
+    let t = p.now + Duration::from_millis(1100);
+    p.n[0].ep.handle_timeout(t);
+    p.pump();
+    assert!(matches!(p.n[1].inbox.back(), Some(Message::Ping { .. })));
+    p.now = t;
+    p.run();
+    assert_eq!(
+        p.n[0].ep.state(),
+        LinkState::Connected,
+        "pong keeps it alive"
+    );
+    p.n[0].ep.handle_timeout(t + Duration::from_secs(6));
+    p.pump();
+    assert_eq!(p.n[0].ep.state(), LinkState::Degraded);
+}
+
+#[test]
+fn local_disk_error_detaches_and_io_goes_through_the_peer() {
+    let mut p = Pair::connected();
+    p.n[0].fail_local = true;
+    let w = p.write(0, 0, fill(0x77, 1024), false);
+    p.run();
+    assert_eq!(
+        p.n[0].result_of(w),
+        Some(&Ok(None)),
+        "the caller sees no error"
+    );
+    assert!(p.n[0].ep.is_detached());
+    assert_eq!(&p.n[1].disk[..1024], &fill(0x77, 1024)[..]);
+    // Reads and further writes are served by the peer.
+    let now = p.now;
+    let r = p.n[0].ep.submit_read(now, 0, 1024);
+    p.pump();
+    p.run();
+    assert_eq!(
+        p.n[0].result_of(r),
+        Some(&Ok(Some(Bytes::from(fill(0x77, 1024)))))
+    );
+    let w2 = p.write(0, 1024, fill(0x78, 512), false);
+    p.run();
+    assert_eq!(p.n[0].result_of(w2), Some(&Ok(None)));
+    assert_eq!(&p.n[1].disk[1024..1536], &fill(0x78, 512)[..]);
+}
+
+#[test]
+fn a_read_that_fails_locally_is_retried_on_the_peer() {
+    let mut p = Pair::connected();
+    p.write(1, 0, fill(0x42, 512), false);
+    p.run();
+    p.n[0].fail_local = true;
+    let now = p.now;
+    let r = p.n[0].ep.submit_read(now, 0, 512);
+    p.pump();
+    p.run();
+    assert_eq!(
+        p.n[0].result_of(r),
+        Some(&Ok(Some(Bytes::from(fill(0x42, 512)))))
+    );
+}
+
+#[test]
+fn writes_before_the_first_connection_wait_for_it() {
+    let mut p = Pair::new();
+    let r = p.write(0, 0, fill(0x31, 512), false);
+    p.complete_io(0, 0);
+    assert_eq!(p.n[0].result_of(r), None, "waits for the peer");
+    p.connect();
+    p.run();
+    assert_eq!(p.n[0].result_of(r), Some(&Ok(None)));
+    assert_eq!(p.n[0].disk, p.n[1].disk);
+}
+
+#[test]
+fn a_peer_that_never_comes_lets_writes_complete_after_the_connect_timeout() {
+    let mut p = Pair::new();
+    let r = p.write(0, 0, fill(0x31, 512), false);
+    p.complete_io(0, 0);
+    let t = p.n[0].ep.poll_timeout().expect("connect timer");
+    p.n[0].ep.handle_timeout(t);
+    p.pump();
+    assert_eq!(p.n[0].result_of(r), Some(&Ok(None)));
+    assert_eq!(p.n[0].ep.state(), LinkState::Degraded);
+}
+
+#[test]
+fn messages_before_the_handshake_are_a_protocol_violation() {
+    let mut p = Pair::new();
+    let now = p.now;
+    p.n[0].ep.handle_connected(now);
+    p.n[0].ep.handle_message(
+        now,
+        Message::WriteAck {
+            id: 99,
+            status: Status::Ok,
+        },
+    );
+    p.pump();
+    assert!(
+        p.n[0].events.iter().any(
+            |e| matches!(e, Event::Refused { reason } if reason.contains("protocol violation"))
+        )
+    );
+}
