@@ -13,7 +13,13 @@
 //! transports, the tokio driver and `MirroredDisk` itself are not here yet.
 #![deny(missing_docs)]
 
+pub mod connect;
+mod mirror;
 pub mod protocol;
+pub mod transport;
+pub mod wire;
+
+pub use mirror::{MirrorStatus, MirroredDisk};
 
 #[cfg(test)]
 mod tests {
