@@ -78,8 +78,12 @@ pub struct NodeSection {
     pub id: u32,
     /// Where images and metadata live.
     pub data_dir: PathBuf,
-    /// Replication listener (used once mirroring lands).
+    /// Replication listener. The node with the higher id of a pair accepts links here;
+    /// the lower id dials its peer's address.
     pub listen: Option<String>,
+    /// How long a silent peer is waited for before writes go on without it (ms).
+    #[serde(default = "default_peer_timeout_ms")]
+    pub peer_timeout_ms: u64,
     /// gRPC management address (used once the management plane lands).
     pub mgmt: Option<String>,
     /// Quorum witness address (used once quorum lands).
@@ -97,6 +101,10 @@ pub struct PeerSection {
     /// tcp | loopback | quic | rdma.
     #[serde(default = "default_transport")]
     pub transport: String,
+}
+
+fn default_peer_timeout_ms() -> u64 {
+    5000
 }
 
 fn default_transport() -> String {
@@ -237,6 +245,14 @@ impl Config {
     }
 
     fn check(&self) -> Result<(), ConfigError> {
+        if let Some(listen) = &self.node.listen {
+            listen.parse::<SocketAddr>().map_err(|_| {
+                err(
+                    "node.listen",
+                    format!("{listen:?} is not an address such as \"127.0.0.1:7001\""),
+                )
+            })?;
+        }
         let mut peer_ids = HashSet::new();
         for (i, p) in self.peer.iter().enumerate() {
             if p.id == self.node.id {
@@ -251,11 +267,23 @@ impl Config {
                     format!("peer {} is declared twice", p.id),
                 ));
             }
-            if !["tcp", "loopback", "quic", "rdma"].contains(&p.transport.as_str()) {
-                return Err(err(
-                    format!("peer[{i}].transport"),
-                    format!("{:?} is not one of tcp, loopback, quic, rdma", p.transport),
-                ));
+            match p.transport.as_str() {
+                "tcp" => {}
+                "loopback" | "quic" | "rdma" => {
+                    return Err(err(
+                        format!("peer[{i}].transport"),
+                        format!(
+                            "{:?} is not implemented in this build yet; use \"tcp\"",
+                            p.transport
+                        ),
+                    ));
+                }
+                other => {
+                    return Err(err(
+                        format!("peer[{i}].transport"),
+                        format!("{other:?} is not one of tcp, loopback, quic, rdma"),
+                    ));
+                }
             }
         }
         let mut names = HashSet::new();
@@ -305,10 +333,6 @@ impl Config {
                 if !peer_ids.contains(&peer) {
                     return Err(err(key("peer"), format!("no [[peer]] with id {peer}")));
                 }
-                return Err(err(
-                    key("peer"),
-                    "mirroring is not implemented in this build yet; omit `peer` for a local disk",
-                ));
             }
             if d.cache.is_some() {
                 return Err(err(

@@ -11,7 +11,7 @@
 //! Once all listeners are bound it prints one line per disk on stdout,
 //! `ready disk=<name> nbd=<address>`, with the actual port when the config said port 0.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -23,6 +23,11 @@ use tracing::{error, info, warn};
 use vsan_core::export::nbd::{Export, Server};
 use vsan_core::{BlockDevice, ErrorKind, FileOptions, Geometry, MemDevice};
 use vsan_examples::config::{Backing, Config, DiskSection, NbdAddr};
+use vsan_replica::MirroredDisk;
+use vsan_replica::connect::{accept_loop, dial_loop};
+use vsan_replica::protocol::{Config as MirrorConfig, DiskId};
+use vsan_replica::transport::Transport;
+use vsan_replica::transport::tcp::TcpTransport;
 
 /// How long shutdown waits for clients to finish their requests.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
@@ -100,22 +105,13 @@ fn main() -> ExitCode {
 async fn run(config: Config) -> Result<(), StartError> {
     let node = &config.node;
     info!(id = node.id, data_dir = %node.data_dir.display(), "vsan-node starting");
-    for (what, v) in [
-        ("listen", &node.listen),
-        ("mgmt", &node.mgmt),
-        ("witness", &node.witness),
-    ] {
+    for (what, v) in [("mgmt", &node.mgmt), ("witness", &node.witness)] {
         if let Some(v) = v {
             warn!("node.{what} = {v:?} is accepted but not used yet in this build");
         }
     }
-    if !config.peer.is_empty() {
-        warn!(
-            peers = config.peer.len(),
-            "[[peer]] sections are accepted but no disk mirrors yet"
-        );
-    }
 
+    let mut ready_lines_pre = Vec::new();
     // Bind every listener first: a busy address must refuse the start before any image
     // is created. Disks sharing an address become exports of one server.
     let mut by_addr: BTreeMap<String, (NbdAddr, Vec<usize>)> = BTreeMap::new();
@@ -145,16 +141,77 @@ async fn run(config: Config) -> Result<(), StartError> {
         bound.push((addr, members, listener));
     }
 
+    let replication = match &node.listen {
+        Some(addr) => {
+            let transport = TcpTransport::new();
+            let l = transport.listen(addr).await.map_err(|e| {
+                StartError::Config(format!("key `node.listen`: cannot listen on {addr}: {e}"))
+            })?;
+            ready_lines_pre.push(format!("ready replication={}", l.local_addr()));
+            Some(l)
+        }
+        None => None,
+    };
+
+    let transport: Arc<dyn Transport> = Arc::new(TcpTransport::new());
     let mut disks = Vec::new();
+    let mut mirrored = HashMap::new();
+    let mut background = Vec::new();
     for (i, d) in config.disk.iter().enumerate() {
+        let local = open_disk(i, d, &node.data_dir)?;
+        let device: Arc<dyn BlockDevice> = match d.peer {
+            None => local,
+            Some(peer_id) => {
+                let Some(peer) = config.peer.iter().find(|p| p.id == peer_id) else {
+                    return Err(StartError::Config(format!(
+                        "key `disk[{i}].peer`: no [[peer]] with id {peer_id}"
+                    )));
+                };
+                let g = local.geometry();
+                let mut cfg = MirrorConfig::new(
+                    node.id,
+                    peer_id,
+                    DiskId::from_name(&d.name),
+                    &d.name,
+                    g.size(),
+                    g.block_size(),
+                );
+                cfg.peer_timeout = Duration::from_millis(node.peer_timeout_ms);
+                cfg.connect_timeout = Duration::from_millis(node.peer_timeout_ms);
+                let disk = MirroredDisk::start(cfg, local)
+                    .map_err(|e| StartError::Runtime(e.to_string()))?;
+                if node.id < peer_id {
+                    info!(disk = %d.name, peer = peer_id, address = %peer.address,
+                        "mirroring: dialing the peer");
+                    background.push(tokio::spawn(dial_loop(
+                        Arc::clone(&transport),
+                        peer.address.clone(),
+                        disk.clone(),
+                    )));
+                } else if replication.is_none() {
+                    return Err(StartError::Config(format!(
+                        "key `node.listen`: disk {:?} mirrors with node {peer_id}, which dials \
+                         this node; set node.listen",
+                        d.name
+                    )));
+                } else {
+                    info!(disk = %d.name, peer = peer_id, "mirroring: waiting for the peer to connect");
+                }
+                mirrored.insert(d.name.clone(), disk.clone());
+                Arc::new(disk)
+            }
+        };
         disks.push(Disk {
             name: d.name.clone(),
-            device: open_disk(i, d, &node.data_dir)?,
+            device,
         });
+    }
+    if let Some(l) = replication {
+        background.push(tokio::spawn(accept_loop(l, mirrored)));
     }
 
     let mut servers = Vec::new();
-    let mut ready_lines = Vec::new();
+    let mut ready_lines = ready_lines_pre;
     for (addr, members, listener) in bound {
         let shown = match &listener {
             Listener::Tcp(l) => l
@@ -226,6 +283,9 @@ async fn run(config: Config) -> Result<(), StartError> {
                 failed = true;
             }
         }
+    }
+    for task in background {
+        task.abort();
     }
     for path in &sockets {
         let _ = std::fs::remove_file(path);

@@ -13,6 +13,23 @@ pub const PROTOCOL_VERSION: u32 = 1;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct DiskId(pub [u8; 16]);
 
+impl DiskId {
+    /// A disk id derived from the disk's name, the same on both nodes.
+    ///
+    /// Until per-replica metadata stores an id chosen when the disk is created, two
+    /// nodes agree on a disk by its name; this makes that agreement checkable in the
+    /// handshake like a stored id will be.
+    pub fn from_name(name: &str) -> DiskId {
+        let mut id = [0u8; 16];
+        for (i, chunk) in id.chunks_exact_mut(4).enumerate() {
+            let mut h = crc32fast::Hasher::new_with_initial(0x7673_616e ^ i as u32);
+            h.update(name.as_bytes());
+            chunk.copy_from_slice(&h.finalize().to_be_bytes());
+        }
+        DiskId(id)
+    }
+}
+
 impl std::fmt::Display for DiskId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         for b in self.0 {
