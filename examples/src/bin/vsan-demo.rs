@@ -1,15 +1,18 @@
-//! `vsan-demo`: the README's main job.
+//! `vsan-demo`: the README's main job — a two-node synchronous mirror under load.
 //!
-//! Creates a file-backed disk in a work directory under `target/`, serves it over NBD on a
-//! free loopback port, and drives a mixed 4 KiB workload through the library's NBD client
-//! (several connections, several requests in flight on each) for about ten seconds with a
-//! live progress line. Every write carries a self-describing pattern; every read is
-//! checked against the last write to that block. At the end it flushes, prints a summary
-//! (IOPS, p50/p99 latency, bytes written), stops the server, reopens the image file
-//! directly and verifies every block the workload wrote. Exit status 0 only if all of it
-//! checks out.
+//! Starts two in-process nodes (node 1 and node 2), each with a file-backed replica in a
+//! work directory under `target/`, mirrored over TCP on loopback, and each exporting the
+//! mirrored disk over NBD on a free loopback port. A mixed 4 KiB workload then runs
+//! against BOTH nodes at once for about ten seconds with a live progress line: every
+//! worker writes its own blocks through its home node and reads them back through either
+//! node, so a read on node 2 of a block just acknowledged on node 1 proves the write was
+//! on both replicas before it completed. At the end it flushes, prints per-node IOPS and
+//! p50/p99 latency, stops both nodes, compares the two replica files byte for byte
+//! (printing each one's checksum), checks every written block against what was
+//! acknowledged, and exits non-zero on any mismatch.
 
-use std::path::PathBuf;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -24,11 +27,16 @@ use rand::{Rng, SeedableRng};
 use vsan_core::export::nbd::{Client, Export, Server};
 use vsan_core::{BlockDevice, FileOptions};
 use vsan_examples::pattern::{BLOCK, BlockLog, expected_block};
+use vsan_replica::MirroredDisk;
+use vsan_replica::connect::{accept_loop, dial_loop};
+use vsan_replica::protocol::{Config as MirrorConfig, DiskId, LinkState};
+use vsan_replica::transport::Transport;
+use vsan_replica::transport::tcp::TcpTransport;
 
 #[derive(Parser, Debug)]
 #[command(
     version,
-    about = "vsan demo: a file-backed disk served over NBD under a verified 4K workload"
+    about = "vsan demo: a two-node synchronous mirror under a verified 4K workload"
 )]
 struct Args {
     /// How long the workload runs, in seconds.
@@ -37,10 +45,10 @@ struct Args {
     /// Disk size in MiB.
     #[arg(long, default_value_t = 256)]
     size_mib: u64,
-    /// NBD connections.
-    #[arg(long, default_value_t = 4)]
+    /// NBD connections per node.
+    #[arg(long, default_value_t = 2)]
     connections: usize,
-    /// Requests in flight per connection.
+    /// Workers (requests in flight) per connection.
     #[arg(long, default_value_t = 8)]
     depth: usize,
     /// Percentage of reads in the mix.
@@ -51,10 +59,28 @@ struct Args {
     work_dir: Option<PathBuf>,
 }
 
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// One in-process node: its replica file, mirrored disk and NBD server.
+struct DemoNode {
+    image: PathBuf,
+    disk: MirroredDisk,
+    server: Server,
+    addr: String,
+    serving: tokio::task::JoinHandle<vsan_core::Result<()>>,
+}
+
 #[derive(Default)]
-struct Totals {
+struct NodeStats {
     reads: AtomicU64,
     writes: AtomicU64,
+}
+
+struct Shared {
+    log: BlockLog,
+    stop: AtomicBool,
+    stats: [NodeStats; 2],
+    hist: [Mutex<Histogram<u64>>; 2],
     bytes_written: AtomicU64,
     mismatches: AtomicU64,
     errors: AtomicU64,
@@ -69,6 +95,10 @@ fn work_dir(arg: Option<PathBuf>) -> PathBuf {
         .ok()
         .and_then(|exe| exe.parent()?.parent().map(|t| t.join("vsan-demo")))
         .unwrap_or_else(|| PathBuf::from("target/vsan-demo"))
+}
+
+fn histogram() -> Result<Histogram<u64>, BoxError> {
+    Ok(Histogram::new_with_bounds(1, 60_000_000, 3)?)
 }
 
 fn main() -> ExitCode {
@@ -93,50 +123,98 @@ fn main() -> ExitCode {
     }
 }
 
-async fn run(args: Args) -> Result<bool, Box<dyn std::error::Error>> {
-    let dir = work_dir(args.work_dir.clone());
-    std::fs::create_dir_all(&dir)?;
-    let image = dir.join("demo.img");
+async fn start_node(
+    id: u32,
+    dir: &Path,
+    size: u64,
+) -> Result<(DemoNode, Arc<dyn BlockDevice>), BoxError> {
+    let image = dir.join(format!("node{id}.img"));
     let _ = std::fs::remove_file(&image);
-    let size = args.size_mib << 20;
-    let disk = FileOptions::new()
+    let local = FileOptions::new()
         .block_size(512)
         .create(size)
         .open(&image)?;
-    println!(
-        "vsan-demo: disk {} ({} MiB, file-backed)",
-        image.display(),
-        args.size_mib
-    );
-
+    let peer = 3 - id;
+    let mut cfg = MirrorConfig::new(id, peer, DiskId::from_name("demo"), "demo", size, 512);
+    cfg.connect_timeout = Duration::from_secs(10);
+    let local: Arc<dyn BlockDevice> = Arc::new(local);
+    let disk = MirroredDisk::start(cfg, Arc::clone(&local))?;
     let server = Server::new(vec![Export::new(
         "demo",
         Arc::new(disk.clone()) as Arc<dyn BlockDevice>,
     )])?;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?.to_string();
-    let serving = {
-        let s = server.clone();
-        tokio::spawn(async move { s.serve_tcp(listener).await })
-    };
-    println!("vsan-demo: serving NBD export \"demo\" on nbd://{addr}/demo");
+    let s = server.clone();
+    let serving = tokio::spawn(async move { s.serve_tcp(listener).await });
+    Ok((
+        DemoNode {
+            image,
+            disk,
+            server,
+            addr,
+            serving,
+        },
+        local,
+    ))
+}
+
+async fn run(args: Args) -> Result<bool, BoxError> {
+    let dir = work_dir(args.work_dir.clone());
+    std::fs::create_dir_all(&dir)?;
+    let size = args.size_mib << 20;
+
+    // Two nodes, mirrored over TCP on loopback: node 2 accepts, node 1 dials.
+    let (n1, local1) = start_node(1, &dir, size).await?;
+    let (n2, local2) = start_node(2, &dir, size).await?;
+    let transport: Arc<dyn Transport> = Arc::new(TcpTransport::new());
+    let listener = transport.listen("127.0.0.1:0").await?;
+    let replication = listener.local_addr();
+    let accepting = tokio::spawn(accept_loop(
+        listener,
+        HashMap::from([("demo".to_string(), n2.disk.clone())]),
+    ));
+    let dialing = tokio::spawn(dial_loop(
+        Arc::clone(&transport),
+        replication.clone(),
+        n1.disk.clone(),
+    ));
+    let mut status = n1.disk.watch_status();
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        status.wait_for(|s| s.link == LinkState::Connected),
+    )
+    .await??;
+    println!(
+        "vsan-demo: two nodes mirroring disk \"demo\" ({} MiB) over tcp:{replication}",
+        args.size_mib
+    );
+    for (n, node) in [(1, &n1), (2, &n2)] {
+        println!(
+            "  node {n}: replica {}  NBD nbd://{}/demo",
+            node.image.display(),
+            node.addr
+        );
+    }
 
     let blocks = size / BLOCK as u64;
-    let log = Arc::new(BlockLog::new(blocks));
-    let totals = Arc::new(Totals::default());
-    let read_hist = Arc::new(Mutex::new(Histogram::<u64>::new_with_bounds(
-        1, 60_000_000, 3,
-    )?));
-    let write_hist = Arc::new(Mutex::new(Histogram::<u64>::new_with_bounds(
-        1, 60_000_000, 3,
-    )?));
-    let stop = Arc::new(AtomicBool::new(false));
-    let workers = args.connections * args.depth;
-
-    let mut clients = Vec::new();
-    for _ in 0..args.connections {
-        clients.push(Arc::new(Client::connect_tcp(&addr, "demo").await?));
+    let shared = Arc::new(Shared {
+        log: BlockLog::new(blocks),
+        stop: AtomicBool::new(false),
+        stats: Default::default(),
+        hist: [Mutex::new(histogram()?), Mutex::new(histogram()?)],
+        bytes_written: AtomicU64::new(0),
+        mismatches: AtomicU64::new(0),
+        errors: AtomicU64::new(0),
+    });
+    let mut clients: [Vec<Arc<Client>>; 2] = [Vec::new(), Vec::new()];
+    for (i, node) in [&n1, &n2].into_iter().enumerate() {
+        for _ in 0..args.connections {
+            clients[i].push(Arc::new(Client::connect_tcp(&node.addr, "demo").await?));
+        }
     }
+
+    let workers = 2 * args.connections * args.depth;
     let progress = ProgressBar::new_spinner();
     progress.set_style(ProgressStyle::with_template(
         "{spinner} {elapsed:>3} {msg}",
@@ -144,159 +222,190 @@ async fn run(args: Args) -> Result<bool, Box<dyn std::error::Error>> {
     let started = Instant::now();
     let mut tasks = Vec::new();
     for w in 0..workers {
-        let client = Arc::clone(&clients[w % args.connections]);
-        let (log, totals, stop) = (Arc::clone(&log), Arc::clone(&totals), Arc::clone(&stop));
-        let (rh, wh) = (Arc::clone(&read_hist), Arc::clone(&write_hist));
+        let home = w % 2;
+        let conn = (w / 2) % args.connections;
+        let pair = [Arc::clone(&clients[0][conn]), Arc::clone(&clients[1][conn])];
+        let shared = Arc::clone(&shared);
         let read_pct = args.read_pct;
         tasks.push(tokio::spawn(async move {
-            // Worker w owns the blocks b with b % workers == w, so it alone writes them and
-            // knows exactly what each must contain.
+            // Worker w alone writes the blocks b with b % workers == w, so it knows what
+            // each must hold; it writes through its home node and reads through either.
             let mut rng = SmallRng::seed_from_u64(0x5eed ^ w as u64);
             let owned = (blocks - w as u64).div_ceil(workers as u64);
-            let mut local_r = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).ok();
-            let mut local_w = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).ok();
-            while !stop.load(Ordering::Relaxed) {
+            let mut hist = [histogram().ok(), histogram().ok()];
+            while !shared.stop.load(Ordering::Relaxed) {
                 let block = w as u64 + rng.random_range(0..owned) * workers as u64;
                 let offset = block * BLOCK as u64;
                 let t0 = Instant::now();
-                if rng.random_range(0..100) < read_pct {
-                    match client.read(offset, BLOCK as u32).await {
+                let node = if rng.random_range(0..100) < read_pct {
+                    let node = rng.random_range(0..2usize);
+                    match pair[node].read(offset, BLOCK as u32).await {
                         Ok(data) => {
-                            if data[..] != expected_block(block, log.generation(block))[..] {
-                                totals.mismatches.fetch_add(1, Ordering::Relaxed);
+                            if data[..] != expected_block(block, shared.log.generation(block))[..] {
+                                shared.mismatches.fetch_add(1, Ordering::Relaxed);
                             }
                         }
                         Err(_) => {
-                            totals.errors.fetch_add(1, Ordering::Relaxed);
+                            shared.errors.fetch_add(1, Ordering::Relaxed);
                         }
                     }
-                    if let Some(h) = local_r.as_mut() {
-                        let _ = h.record(t0.elapsed().as_micros() as u64);
-                    }
-                    totals.reads.fetch_add(1, Ordering::Relaxed);
+                    shared.stats[node].reads.fetch_add(1, Ordering::Relaxed);
+                    node
                 } else {
-                    let generation = log.generation(block) + 1;
-                    match client
+                    let generation = shared.log.generation(block) + 1;
+                    match pair[home]
                         .write(offset, &expected_block(block, generation), false)
                         .await
                     {
                         Ok(()) => {
-                            log.set_generation(block, generation);
-                            totals
+                            shared.log.set_generation(block, generation);
+                            shared
                                 .bytes_written
                                 .fetch_add(BLOCK as u64, Ordering::Relaxed);
                         }
                         Err(_) => {
-                            totals.errors.fetch_add(1, Ordering::Relaxed);
+                            shared.errors.fetch_add(1, Ordering::Relaxed);
                         }
                     }
-                    if let Some(h) = local_w.as_mut() {
-                        let _ = h.record(t0.elapsed().as_micros() as u64);
-                    }
-                    totals.writes.fetch_add(1, Ordering::Relaxed);
+                    shared.stats[home].writes.fetch_add(1, Ordering::Relaxed);
+                    home
+                };
+                if let Some(h) = hist[node].as_mut() {
+                    let _ = h.record(t0.elapsed().as_micros() as u64);
                 }
             }
-            if let Some(h) = local_r {
-                let _ = rh.lock().add(h);
-            }
-            if let Some(h) = local_w {
-                let _ = wh.lock().add(h);
+            for (i, h) in hist.into_iter().enumerate() {
+                if let Some(h) = h {
+                    let _ = shared.hist[i].lock().add(h);
+                }
             }
         }));
     }
 
     let duration = Duration::from_secs_f64(args.seconds.max(0.1));
-    let mut last = (Instant::now(), 0u64);
+    let ops = |s: &Shared| -> [u64; 2] {
+        [0, 1].map(|i| {
+            s.stats[i].reads.load(Ordering::Relaxed) + s.stats[i].writes.load(Ordering::Relaxed)
+        })
+    };
+    let mut last = (Instant::now(), [0u64; 2]);
     while started.elapsed() < duration {
         tokio::time::sleep(Duration::from_millis(250)).await;
-        let ops = totals.reads.load(Ordering::Relaxed) + totals.writes.load(Ordering::Relaxed);
-        let rate = (ops - last.1) as f64 / last.0.elapsed().as_secs_f64();
-        last = (Instant::now(), ops);
+        let now = ops(&shared);
+        let dt = last.0.elapsed().as_secs_f64();
+        let rate = [0, 1].map(|i| (now[i] - last.1[i]) as f64 / dt);
+        last = (Instant::now(), now);
         progress.set_message(format!(
-            "{:>9.0} IOPS  {:>8} ops  {:>7.1} MiB written  mismatches {}",
-            rate,
-            ops,
-            totals.bytes_written.load(Ordering::Relaxed) as f64 / (1 << 20) as f64,
-            totals.mismatches.load(Ordering::Relaxed)
+            "node 1 {:>7.0} IOPS | node 2 {:>7.0} IOPS | {:>7.1} MiB written | mismatches {}",
+            rate[0],
+            rate[1],
+            shared.bytes_written.load(Ordering::Relaxed) as f64 / (1 << 20) as f64,
+            shared.mismatches.load(Ordering::Relaxed)
         ));
         progress.tick();
     }
-    stop.store(true, Ordering::Relaxed);
+    shared.stop.store(true, Ordering::Relaxed);
     for t in tasks {
         t.await?;
     }
     let elapsed = started.elapsed().as_secs_f64();
     progress.finish_and_clear();
-    clients[0].flush().await?;
+    // A flush on either node covers both replicas.
+    clients[0][0].flush().await?;
+    clients[1][0].flush().await?;
 
-    // Summary.
-    let (r, w) = (
-        totals.reads.load(Ordering::Relaxed),
-        totals.writes.load(Ordering::Relaxed),
-    );
-    let (rh, wh) = (read_hist.lock().clone(), write_hist.lock().clone());
-    let mut all = rh.clone();
-    all.add(&wh)?;
     println!();
     println!(
-        "workload: 4 KiB random, {}% reads, {} connections x {} in flight, {:.1} s",
+        "workload: 4 KiB random, {}% reads, both nodes at once, {} connections x {} in flight per node, {:.1} s",
         args.read_pct, args.connections, args.depth, elapsed
     );
     println!(
-        "  {:<6} {:>10} {:>10} {:>10} {:>10}",
-        "op", "count", "IOPS", "p50 (us)", "p99 (us)"
+        "  {:<7} {:>9} {:>9} {:>10} {:>9} {:>9}",
+        "node", "reads", "writes", "IOPS", "p50 (us)", "p99 (us)"
     );
-    for (name, n, h) in [("read", r, &rh), ("write", w, &wh), ("total", r + w, &all)] {
+    for i in 0..2 {
+        let (r, w) = (
+            shared.stats[i].reads.load(Ordering::Relaxed),
+            shared.stats[i].writes.load(Ordering::Relaxed),
+        );
+        let h = shared.hist[i].lock();
         println!(
-            "  {:<6} {:>10} {:>10.0} {:>10} {:>10}",
-            name,
-            n,
-            n as f64 / elapsed,
+            "  node {:<2} {:>9} {:>9} {:>10.0} {:>9} {:>9}",
+            i + 1,
+            r,
+            w,
+            (r + w) as f64 / elapsed,
             h.value_at_quantile(0.5),
             h.value_at_quantile(0.99)
         );
     }
-    let written = totals.bytes_written.load(Ordering::Relaxed);
+    let written = shared.bytes_written.load(Ordering::Relaxed);
     println!(
-        "  bytes written: {} ({:.1} MiB)",
+        "  bytes written: {} ({:.1} MiB), each on both replicas",
         written,
         written as f64 / (1 << 20) as f64
     );
 
-    // Stop serving, then check every block straight from the image file.
-    for c in clients {
+    // Stop both nodes: clients off, NBD servers drained, replicas flushed.
+    for c in clients.into_iter().flatten() {
         if let Ok(c) = Arc::try_unwrap(c) {
             let _ = c.disconnect().await;
         }
     }
-    server.shutdown();
-    server.wait_idle().await;
-    serving.await??;
-    disk.flush().await?;
-    let reopened = FileOptions::new().open(&image)?;
-    let mut bad = 0u64;
-    let mut checked = 0u64;
+    for node in [&n1, &n2] {
+        node.server.shutdown();
+        node.server.wait_idle().await;
+    }
+    dialing.abort();
+    accepting.abort();
+    for (node, local) in [(n1, local1), (n2, local2)] {
+        node.serving.await??;
+        local.flush().await?;
+        drop(node.disk);
+    }
+
+    // Compare the replicas and check every block against what was acknowledged.
+    let img = [dir.join("node1.img"), dir.join("node2.img")];
+    let mut crc = [crc32fast::Hasher::new(), crc32fast::Hasher::new()];
+    let files = [
+        FileOptions::new().open(&img[0])?,
+        FileOptions::new().open(&img[1])?,
+    ];
+    let (mut differ, mut bad, mut checked) = (0u64, 0u64, 0u64);
     const SPAN: u64 = 1 << 20;
     for start in (0..size).step_by(SPAN as usize) {
-        let data = reopened.read(start, SPAN as usize).await?;
-        for (i, chunk) in data.chunks(BLOCK).enumerate() {
+        let a = files[0].read(start, SPAN as usize).await?;
+        let b = files[1].read(start, SPAN as usize).await?;
+        crc[0].update(&a);
+        crc[1].update(&b);
+        for (i, (ca, cb)) in a.chunks(BLOCK).zip(b.chunks(BLOCK)).enumerate() {
             let block = start / BLOCK as u64 + i as u64;
-            let generation = log.generation(block);
+            let generation = shared.log.generation(block);
+            if ca != cb {
+                differ += 1;
+            }
             if generation > 0 {
                 checked += 1;
             }
-            if chunk != &expected_block(block, generation)[..] {
+            if ca != &expected_block(block, generation)[..] {
                 bad += 1;
             }
         }
     }
-    let live = totals.mismatches.load(Ordering::Relaxed);
-    let errors = totals.errors.load(Ordering::Relaxed);
+    let [c1, c2] = crc.map(|h| h.finalize());
+    println!("replica node 1: {}  crc32 {c1:08x}", img[0].display());
+    println!("replica node 2: {}  crc32 {c2:08x}", img[1].display());
+    let live = shared.mismatches.load(Ordering::Relaxed);
+    let errors = shared.errors.load(Ordering::Relaxed);
     println!(
-        "verify: {} reads checked live ({} mismatches), {} written blocks re-read from the image ({} mismatches), {} I/O errors",
-        r, live, checked, bad, errors
+        "verify: replicas {} ({differ} blocks differ); {checked} written blocks checked ({bad} wrong); \
+         {live} read mismatches; {errors} I/O errors",
+        if differ == 0 { "identical" } else { "DIFFER" }
     );
-    let ok = live == 0 && bad == 0 && errors == 0 && w > 0;
+    let total_writes: u64 = (0..2)
+        .map(|i| shared.stats[i].writes.load(Ordering::Relaxed))
+        .sum();
+    let ok = differ == 0 && c1 == c2 && bad == 0 && live == 0 && errors == 0 && total_writes > 0;
     println!(
         "{}",
         if ok {
