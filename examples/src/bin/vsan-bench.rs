@@ -10,11 +10,13 @@
 //! installed is reported as missing, not silently dropped.
 
 use std::io::Write;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
+use vsan_examples::latency;
 
 #[derive(Parser, Debug)]
 #[command(version, about = "vsan benchmarks against the tools users run today")]
@@ -45,12 +47,30 @@ enum Cmd {
         /// Path of vsan-node (default: next to this binary).
         #[arg(long)]
         vsan_node: Option<PathBuf>,
+        /// Measure a mirrored disk (two vsan-node processes on this machine, node 1
+        /// exporting) against nbdkit on one plain file, instead of the three servers.
+        #[arg(long)]
+        mirror: bool,
+    },
+    /// QD1 4 KiB write latency: a local file, the same kind of file mirrored over TCP
+    /// loopback, and a bare TCP ping-pong of the same sizes, in one run.
+    Latency {
+        /// Writes (and ping-pongs) per measurement.
+        #[arg(long, default_value_t = 20000)]
+        count: u32,
+        /// Rounds, alternating the three measurements.
+        #[arg(long, default_value_t = 3)]
+        rounds: u32,
+        /// Work directory (default: target/vsan-bench).
+        #[arg(long)]
+        work_dir: Option<PathBuf>,
     },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum ServerKind {
     Vsan,
+    VsanMirror,
     Nbdkit,
     QemuNbd,
 }
@@ -59,6 +79,7 @@ impl ServerKind {
     fn name(self) -> &'static str {
         match self {
             ServerKind::Vsan => "vsan-node",
+            ServerKind::VsanMirror => "vsan-node mirrored",
             ServerKind::Nbdkit => "nbdkit file",
             ServerKind::QemuNbd => "qemu-nbd",
         }
@@ -92,7 +113,16 @@ fn main() -> ExitCode {
             iodepth,
             work_dir,
             vsan_node,
-        } => nbd_bench(seconds, rounds, size_mib, iodepth, work_dir, vsan_node),
+            mirror,
+        } => nbd_bench(
+            seconds, rounds, size_mib, iodepth, work_dir, vsan_node, mirror,
+        ),
+        Cmd::Latency {
+            count,
+            rounds,
+            work_dir,
+        } => latency::run(count, rounds, work_dir.unwrap_or_else(default_dir))
+            .map_err(|e| -> BoxError { e.to_string().into() }),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -140,24 +170,42 @@ fn fill(path: &Path, size: u64) -> Result<(), BoxError> {
 }
 
 struct Running {
-    child: Child,
+    children: Vec<Child>,
 }
 
 impl Drop for Running {
     fn drop(&mut self) {
         // SIGTERM first so vsan-node flushes and exits cleanly; then make sure.
-        let pid = rustix::process::Pid::from_child(&self.child);
-        let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
+        for child in &mut self.children {
+            let pid = rustix::process::Pid::from_child(child);
+            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
         }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        for child in &mut self.children {
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = child.try_wait() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
     }
+}
+
+fn default_dir() -> PathBuf {
+    exe_dir()
+        .parent()
+        .map(|t| t.join("vsan-bench"))
+        .unwrap_or_default()
+}
+
+/// A free loopback port (bound, read, released: a benchmark tool can live with the race).
+fn free_port() -> Result<u16, BoxError> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
 }
 
 fn wait_for_socket(sock: &Path, child: &mut Child) -> Result<(), BoxError> {
@@ -185,6 +233,7 @@ fn start(
 ) -> Result<(Running, PathBuf), BoxError> {
     let sock = dir.join(format!("{}.sock", kind.name().replace(' ', "-")));
     let _ = std::fs::remove_file(&sock);
+    let mut extra = Vec::new();
     let mut cmd = match kind {
         ServerKind::Vsan => {
             let cfg = dir.join("node.toml");
@@ -199,6 +248,54 @@ fn start(
             )?;
             let mut c = Command::new(vsan_node);
             c.arg("--config").arg(cfg).env("RUST_LOG", "warn");
+            c
+        }
+        ServerKind::VsanMirror => {
+            // Node 2 holds the second replica (a copy of the same file) and accepts the
+            // link; node 1 dials it and exports the disk.
+            let peer_image = dir.join("bench-peer.img");
+            let _ = std::fs::remove_file(&peer_image);
+            if std::fs::metadata(image)?.blocks() == 0 {
+                std::fs::File::create(&peer_image)?.set_len(size)?;
+            } else {
+                std::fs::copy(image, &peer_image)?;
+            }
+            let port = free_port()?;
+            let disk = |peer: u32, path: &Path, nbd: &str| {
+                format!(
+                    "[[peer]]\nid = {peer}\naddress = \"127.0.0.1:{port}\"\n\n[[disk]]\nname = \"bench\"\nsize = {size}\npath = {:?}\npeer = {peer}\n{nbd}",
+                    path.display().to_string()
+                )
+            };
+            let cfg2 = dir.join("node2.toml");
+            std::fs::write(
+                &cfg2,
+                format!(
+                    "[node]\nid = 2\ndata_dir = {:?}\nlisten = \"127.0.0.1:{port}\"\n\n{}",
+                    dir.display().to_string(),
+                    disk(1, &peer_image, "")
+                ),
+            )?;
+            let node2 = Command::new(vsan_node)
+                .arg("--config")
+                .arg(&cfg2)
+                .env("RUST_LOG", "warn")
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::inherit())
+                .spawn()?;
+            let cfg1 = dir.join("node1.toml");
+            std::fs::write(
+                &cfg1,
+                format!(
+                    "[node]\nid = 1\ndata_dir = {:?}\n\n{}",
+                    dir.display().to_string(),
+                    disk(2, image, &format!("nbd = \"unix:{}\"\n", sock.display()))
+                ),
+            )?;
+            let mut c = Command::new(vsan_node);
+            c.arg("--config").arg(cfg1).env("RUST_LOG", "warn");
+            extra.push(node2);
             c
         }
         ServerKind::Nbdkit => {
@@ -218,7 +315,9 @@ fn start(
         .stderr(Stdio::inherit())
         .spawn()?;
     wait_for_socket(&sock, &mut child)?;
-    Ok((Running { child }, sock))
+    let mut children = vec![child];
+    children.extend(extra);
+    Ok((Running { children }, sock))
 }
 
 fn fio(
@@ -268,23 +367,29 @@ fn nbd_bench(
     iodepth: u32,
     work_dir: Option<PathBuf>,
     vsan_node: Option<PathBuf>,
+    mirror: bool,
 ) -> Result<(), BoxError> {
     if !have("fio") {
         return Err("fio is not installed (apt-get install fio)".into());
     }
-    let dir = work_dir.unwrap_or_else(|| {
-        exe_dir()
-            .parent()
-            .map(|t| t.join("vsan-bench"))
-            .unwrap_or_default()
-    });
+    let dir = work_dir.unwrap_or_else(default_dir);
     std::fs::create_dir_all(&dir)?;
     let vsan_node = vsan_node.unwrap_or_else(|| exe_dir().join("vsan-node"));
-    let mut kinds = vec![ServerKind::Vsan];
-    for (k, tool) in [
-        (ServerKind::Nbdkit, "nbdkit"),
-        (ServerKind::QemuNbd, "qemu-nbd"),
-    ] {
+    let (mut kinds, others) = if mirror {
+        (
+            vec![ServerKind::VsanMirror],
+            vec![(ServerKind::Nbdkit, "nbdkit")],
+        )
+    } else {
+        (
+            vec![ServerKind::Vsan],
+            vec![
+                (ServerKind::Nbdkit, "nbdkit"),
+                (ServerKind::QemuNbd, "qemu-nbd"),
+            ],
+        )
+    };
+    for (k, tool) in others {
         if have(tool) {
             kinds.push(k);
         } else {

@@ -1,0 +1,134 @@
+//! `vsan-bench latency`: what synchronous mirroring adds to one write.
+//!
+//! In one run, alternating rounds of: QD1 4 KiB random writes to a local file
+//! (`FileDevice`), the same writes to a `MirroredDisk` whose two replicas are files of the
+//! same kind linked over TCP loopback, and a bare TCP ping-pong carrying the same bytes
+//! (4 KiB out, a 20-byte answer back: what the mirror's Write and WriteAck frames are).
+//! The mirror's target is p50 <= local p50 + ping-pong p50 + 15 us.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use hdrhistogram::Histogram;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use vsan_core::{BlockDevice, FileOptions, IoFlags};
+use vsan_replica::MirroredDisk;
+use vsan_replica::connect::{accept_loop, dial_loop};
+use vsan_replica::protocol::{Config, DiskId, LinkState};
+use vsan_replica::transport::Transport;
+use vsan_replica::transport::tcp::TcpTransport;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+const SIZE: u64 = 256 << 20;
+const BLOCK: usize = 4096;
+
+fn hist() -> Result<Histogram<u64>, BoxError> {
+    Ok(Histogram::new_with_bounds(1, 10_000_000, 3)?)
+}
+
+/// QD1 writes of 4 KiB at random aligned offsets; latency in ns.
+async fn writes(dev: &dyn BlockDevice, count: u32, seed: u64) -> Result<Histogram<u64>, BoxError> {
+    let mut h = hist()?;
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let data = Bytes::from(vec![0x5a; BLOCK]);
+    for _ in 0..count {
+        let off = rng.random_range(0..SIZE / BLOCK as u64) * BLOCK as u64;
+        let t = Instant::now();
+        dev.write(off, data.clone(), IoFlags::empty()).await?;
+        h.record(t.elapsed().as_nanos() as u64)?;
+    }
+    Ok(h)
+}
+
+/// 4 KiB out, 20 bytes back, QD1, over a loopback TCP connection; latency in ns.
+async fn ping_pong(count: u32) -> Result<Histogram<u64>, BoxError> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let server = tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await?;
+        s.set_nodelay(true)?;
+        let mut buf = vec![0u8; BLOCK];
+        loop {
+            if s.read_exact(&mut buf).await.is_err() {
+                return Ok::<(), std::io::Error>(());
+            }
+            s.write_all(&[0u8; 20]).await?;
+        }
+    });
+    let mut c = tokio::net::TcpStream::connect(addr).await?;
+    c.set_nodelay(true)?;
+    let out = vec![0x5a; BLOCK];
+    let mut back = [0u8; 20];
+    let mut h = hist()?;
+    for _ in 0..count {
+        let t = Instant::now();
+        c.write_all(&out).await?;
+        c.read_exact(&mut back).await?;
+        h.record(t.elapsed().as_nanos() as u64)?;
+    }
+    drop(c);
+    let _ = server.await;
+    Ok(h)
+}
+
+fn us(h: &Histogram<u64>, q: f64) -> f64 {
+    h.value_at_quantile(q) as f64 / 1000.0
+}
+
+/// Run the comparison and print the table.
+pub fn run(count: u32, rounds: u32, dir: PathBuf) -> Result<(), BoxError> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        std::fs::create_dir_all(&dir)?;
+        let path = |n: &str| dir.join(format!("latency-{n}.img"));
+        for n in ["local", "m1", "m2"] {
+            let _ = std::fs::remove_file(path(n));
+        }
+        let local = FileOptions::new().create(SIZE).open(path("local"))?;
+        let r1: Arc<dyn BlockDevice> = Arc::new(FileOptions::new().create(SIZE).open(path("m1"))?);
+        let r2: Arc<dyn BlockDevice> = Arc::new(FileOptions::new().create(SIZE).open(path("m2"))?);
+        let cfg = |me, peer| Config::new(me, peer, DiskId::from_name("lat"), "lat", SIZE, 512);
+        let m1 = MirroredDisk::start(cfg(1, 2), r1)?;
+        let m2 = MirroredDisk::start(cfg(2, 1), r2)?;
+        let transport: Arc<dyn Transport> = Arc::new(TcpTransport::new());
+        let listener = transport.listen("127.0.0.1:0").await?;
+        let addr = listener.local_addr();
+        let acc = tokio::spawn(accept_loop(listener, HashMap::from([("lat".to_string(), m2.clone())])));
+        let dial = tokio::spawn(dial_loop(Arc::clone(&transport), addr, m1.clone()));
+        let mut st = m1.watch_status();
+        tokio::time::timeout(Duration::from_secs(10), st.wait_for(|s| s.link == LinkState::Connected)).await??;
+
+        let (mut hl, mut hm, mut hr) = (hist()?, hist()?, hist()?);
+        for round in 0..rounds {
+            hl.add(writes(&local, count, round.into()).await?)?;
+            hm.add(writes(&m1, count, round.into()).await?)?;
+            hr.add(ping_pong(count).await?)?;
+        }
+        dial.abort();
+        acc.abort();
+        println!("QD1 4 KiB writes, {count} per round, {rounds} rounds alternating (us):");
+        println!("| path | p50 | p99 | mean |");
+        println!("|---|---:|---:|---:|");
+        for (name, h) in [("local file (FileDevice)", &hl), ("MirroredDisk over TCP loopback", &hm), ("TCP ping-pong 4 KiB / 20 B", &hr)] {
+            println!("| {name} | {:.1} | {:.1} | {:.1} |", us(h, 0.5), us(h, 0.99), h.mean() / 1000.0);
+        }
+        let budget = us(&hl, 0.5) + us(&hr, 0.5) + 15.0;
+        let got = us(&hm, 0.5);
+        println!(
+            "target: mirror p50 <= local p50 + RTT p50 + 15 us = {budget:.1} us; measured {got:.1} us -> {}",
+            if got <= budget { "met" } else { "MISSED" }
+        );
+        for n in ["local", "m1", "m2"] {
+            let _ = std::fs::remove_file(path(n));
+        }
+        Ok(())
+    })
+}
