@@ -48,6 +48,11 @@ pub fn require_tool(name: &str) -> bool {
     false
 }
 
+/// Whether this tool is on PATH (for optional extra checks; no SKIP line).
+pub fn find_tool(name: &str) -> bool {
+    find_on_path(name).is_some()
+}
+
 fn find_on_path(name: &str) -> Option<PathBuf> {
     use std::os::unix::fs::PermissionsExt;
     let path = std::env::var_os("PATH")?;
@@ -375,6 +380,8 @@ pub struct Node {
     process: ProcessGuard,
     stderr: Drain,
     addrs: HashMap<String, String>,
+    /// The replication listener from `ready replication=<addr>`, when it printed one.
+    replication: Option<String>,
     config: PathBuf,
 }
 
@@ -391,6 +398,16 @@ impl Node {
     /// Write `config` into `dir`, start `vsan-node` on it and wait until it has printed a
     /// ready line for each of `disks`.
     pub fn start(dir: &TestDir, config: &str, disks: &[&str]) -> Node {
+        Node::start_inner(dir, config, disks, false)
+    }
+
+    /// [`Node::start`] for a config with `node.listen`: also waits for the
+    /// `ready replication=<addr>` line (see [`Node::replication`]).
+    pub fn start_listening(dir: &TestDir, config: &str, disks: &[&str]) -> Node {
+        Node::start_inner(dir, config, disks, true)
+    }
+
+    fn start_inner(dir: &TestDir, config: &str, disks: &[&str], replication: bool) -> Node {
         let config = dir.write_config(config);
         let mut cmd = Command::new(VSAN_NODE);
         cmd.arg("--config")
@@ -411,6 +428,7 @@ impl Node {
             process: ProcessGuard::new(child, Some(Signal::TERM)),
             stderr,
             addrs: HashMap::new(),
+            replication: None,
             config,
         };
 
@@ -424,32 +442,48 @@ impl Node {
             }
         });
         let deadline = Instant::now() + READY_TIMEOUT;
-        while disks.iter().any(|d| !node.addrs.contains_key(*d)) {
+        while disks.iter().any(|d| !node.addrs.contains_key(*d))
+            || (replication && node.replication.is_none())
+        {
             let left = deadline.saturating_duration_since(Instant::now());
             match rx.recv_timeout(left) {
                 Ok(line) => {
                     if let Some((disk, addr)) = parse_ready(&line) {
                         node.addrs.insert(disk, addr);
+                    } else if let Some(addr) = parse_ready_replication(&line) {
+                        node.replication = Some(addr);
                     }
                 }
                 Err(mpsc::RecvTimeoutError::Timeout) => panic!(
-                    "vsan-node printed no ready line for all of {disks:?} within {READY_TIMEOUT:?} \
-                     (got {:?})\n--- log ---\n{}",
+                    "vsan-node printed no ready line for all of {disks:?}{} within \
+                     {READY_TIMEOUT:?} (got {:?}, replication {:?})\n--- log ---\n{}",
+                    if replication { " and replication" } else { "" },
                     node.addrs,
+                    node.replication,
                     node.stderr.snapshot()
                 ),
                 Err(mpsc::RecvTimeoutError::Disconnected) => {
                     let status = node.process.wait(STOP_TIMEOUT);
                     panic!(
-                        "vsan-node closed stdout before it was ready for {disks:?} (got {:?}); \
-                         exit {status:?}\n--- log ---\n{}",
+                        "vsan-node closed stdout before it was ready for {disks:?}{} (got {:?}, \
+                         replication {:?}); exit {status:?}\n--- log ---\n{}",
+                        if replication { " and replication" } else { "" },
                         node.addrs,
+                        node.replication,
                         node.stderr.finish(Duration::from_secs(5))
                     )
                 }
             }
         }
         node
+    }
+
+    /// The replication listener's address from `ready replication=<addr>`; panics if the
+    /// node printed none (start it with [`Node::start_listening`] to be sure it has).
+    pub fn replication(&self) -> &str {
+        self.replication
+            .as_deref()
+            .expect("no `ready replication=` line (is node.listen set?)")
     }
 
     /// The address the daemon printed for `disk`: `127.0.0.1:PORT` or `unix:/path`.
@@ -486,6 +520,30 @@ impl Node {
     /// Its log so far.
     pub fn log(&self) -> String {
         self.stderr.snapshot()
+    }
+
+    /// How many lines of the log so far contain `needle`.
+    pub fn log_count(&self, needle: &str) -> usize {
+        self.log().lines().filter(|l| l.contains(needle)).count()
+    }
+
+    /// Wait until at least `n` lines of the log contain `needle`; panics (showing the log)
+    /// after `limit`.
+    pub fn wait_log_count(&self, needle: &str, n: usize, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        while self.log_count(needle) < n {
+            assert!(
+                Instant::now() < deadline,
+                "no {n} lines with `{needle}` in the log within {limit:?}:\n{}",
+                self.log()
+            );
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Wait until the log contains `needle`; see [`Node::wait_log_count`].
+    pub fn wait_log(&self, needle: &str, limit: Duration) {
+        self.wait_log_count(needle, 1, limit);
     }
 
     /// Send `sig` and wait for the daemon to exit; panics if it takes longer than
@@ -528,6 +586,14 @@ fn parse_ready(line: &str) -> Option<(String, String)> {
         }
     }
     Some((disk?, nbd?))
+}
+
+/// `ready replication=<addr>` → addr.
+fn parse_ready_replication(line: &str) -> Option<String> {
+    let rest = line.trim().strip_prefix("ready ")?;
+    rest.split_whitespace()
+        .find_map(|f| f.strip_prefix("replication="))
+        .map(str::to_string)
 }
 
 /// Run `vsan-node` on `config` expecting it to exit by itself (a refused config).

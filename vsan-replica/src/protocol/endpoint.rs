@@ -381,7 +381,7 @@ impl Endpoint {
     }
 
     fn refuse(&mut self, now: Instant, reason: String) {
-        warn!(disk = %self.cfg.disk_name, "peer refused: {reason}");
+        warn!(disk = %self.cfg.disk_name, "refusing the peer: {reason}");
         self.send(
             now,
             Message::Refuse {
