@@ -12,8 +12,9 @@
 //! peer messages, local I/O completions and timer expiries, and carries out what the
 //! endpoint asks (send, run local I/O, complete requests, drop the link).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -246,10 +247,22 @@ struct Driver {
     local: Arc<dyn BlockDevice>,
     status: watch::Sender<MirrorStatus>,
     waiters: HashMap<RequestId, Reply>,
-    tx: Option<Box<dyn LinkTx>>,
+    tx: Option<Arc<dyn LinkTx>>,
     rx: Option<Box<dyn LinkRx>>,
+    /// The send the link could not take at once (its queue is full); later messages
+    /// wait in `backlog`. The driver never blocks on the link: a peer that stops reading
+    /// must not stop local I/O or the peer timeout.
+    sending: Option<SendFuture>,
+    backlog: VecDeque<Message>,
     running: FuturesUnordered<LocalFuture>,
     last_problem: Option<String>,
+}
+
+type SendFuture = std::pin::Pin<Box<dyn std::future::Future<Output = Result<()>> + Send>>;
+
+fn send_future(tx: &Arc<dyn LinkTx>, msg: Message) -> SendFuture {
+    let tx = Arc::clone(tx);
+    Box::pin(async move { tx.send(msg).await })
 }
 
 impl Driver {
@@ -265,6 +278,8 @@ impl Driver {
             waiters: HashMap::new(),
             tx: None,
             rx: None,
+            sending: None,
+            backlog: VecDeque::new(),
             running: FuturesUnordered::new(),
             last_problem: None,
         }
@@ -292,15 +307,17 @@ impl Driver {
                         self.ep.handle_disconnected(Instant::now(), &reason);
                     }
                 },
+                r = poll_sending(&mut self.sending), if self.sending.is_some() => {
+                    self.sending = None;
+                    self.sent(r);
+                }
                 Some((op, res)) = self.running.next(), if !self.running.is_empty() => {
                     self.ep.handle_local_done(Instant::now(), op, res);
                 }
                 _ = sleep_until(deadline) => self.ep.handle_timeout(Instant::now()),
             }
         }
-        if let Some(tx) = self.tx.take() {
-            let _ = tx.close().await;
-        }
+        self.retire_link();
     }
 
     fn command(&mut self, cmd: Command) {
@@ -330,7 +347,7 @@ impl Driver {
                 }
                 info!(peer = link.peer(), "link to the peer attached");
                 let (tx, rx) = link.into_split();
-                self.tx = Some(tx);
+                self.tx = Some(Arc::from(tx));
                 self.rx = Some(rx);
                 self.ep.handle_connected(now);
                 if let Some(m) = first {
@@ -343,21 +360,75 @@ impl Driver {
     fn drop_link(&mut self) {
         self.tx = None;
         self.rx = None;
+        self.sending = None;
+        self.backlog.clear();
+    }
+
+    /// Hand the link every message it takes without waiting.
+    async fn pump_sends(&mut self) {
+        while let Some(tx) = &self.tx {
+            if self.sending.is_none() {
+                match self.backlog.pop_front() {
+                    Some(m) => self.sending = Some(send_future(tx, m)),
+                    None => return,
+                }
+            }
+            let Some(fut) = self.sending.as_mut() else {
+                return;
+            };
+            match poll_once(fut).await {
+                Poll::Pending => return,
+                Poll::Ready(r) => {
+                    self.sending = None;
+                    self.sent(r);
+                }
+            }
+        }
+    }
+
+    fn sent(&mut self, r: Result<()>) {
+        if let Err(e) = r {
+            let reason = e.to_string();
+            self.drop_link();
+            self.ep.handle_disconnected(Instant::now(), &reason);
+        }
+    }
+
+    /// Close the link in the background, after what is queued (a Refuse, say) is sent.
+    fn retire_link(&mut self) {
+        self.rx = None;
+        let (Some(tx), sending, backlog) = (
+            self.tx.take(),
+            self.sending.take(),
+            std::mem::take(&mut self.backlog),
+        ) else {
+            return;
+        };
+        tokio::spawn(async move {
+            if let Some(f) = sending {
+                let _ = f.await;
+            }
+            for m in backlog {
+                if tx.send(m).await.is_err() {
+                    break;
+                }
+            }
+            let _ = tx.close().await;
+        });
     }
 
     /// Carry out everything the endpoint has queued.
     async fn drain(&mut self) {
+        let mut completed = Vec::new();
         loop {
             let mut moved = false;
             while let Some(m) = self.ep.poll_transmit() {
                 moved = true;
-                let Some(tx) = &self.tx else { continue };
-                if let Err(e) = tx.send(m).await {
-                    let reason = e.to_string();
-                    self.drop_link();
-                    self.ep.handle_disconnected(Instant::now(), &reason);
+                if self.tx.is_some() {
+                    self.backlog.push_back(m);
                 }
             }
+            self.pump_sends().await;
             while let Some(io) = self.ep.poll_local_io() {
                 moved = true;
                 self.running.push(run_local(Arc::clone(&self.local), io));
@@ -367,18 +438,14 @@ impl Driver {
                 match ev {
                     Event::Completed { request, result } => {
                         if let Some(w) = self.waiters.remove(&request) {
-                            let _ = w.send(result);
+                            completed.push((w, result));
                         }
                     }
                     Event::Connected => self.last_problem = None,
                     Event::Refused { reason } | Event::PeerLost { reason } => {
                         warn!("mirror link dropped: {reason}");
                         self.last_problem = Some(reason);
-                        if let Some(tx) = self.tx.take() {
-                            // Let the Refuse reach the peer before the link goes.
-                            let _ = tx.close().await;
-                        }
-                        self.rx = None;
+                        self.retire_link();
                     }
                     Event::LocalDetached { reason } => self.last_problem = Some(reason),
                 }
@@ -402,6 +469,23 @@ impl Driver {
                 false
             }
         });
+        // Completions last, so a caller that looks at the status after its request
+        // completed sees the state the completion came from.
+        for (w, result) in completed {
+            let _ = w.send(result);
+        }
+    }
+}
+
+/// Poll `fut` once with the task's own waker.
+async fn poll_once(fut: &mut SendFuture) -> Poll<Result<()>> {
+    std::future::poll_fn(|cx| Poll::Ready(fut.as_mut().poll(cx))).await
+}
+
+async fn poll_sending(sending: &mut Option<SendFuture>) -> Result<()> {
+    match sending {
+        Some(f) => f.await,
+        None => std::future::pending().await,
     }
 }
 

@@ -240,6 +240,9 @@ pub struct Endpoint {
     sent_welcome: bool,
     /// We received the peer's Welcome.
     got_welcome: bool,
+    /// A link is attached and its handshake has not finished (in any state: a degraded
+    /// node handshakes too, to learn it must refuse).
+    handshaking: bool,
     /// Data diverged from the peer's (a write completed without it).
     diverged: bool,
     /// The local replica failed.
@@ -283,6 +286,7 @@ impl Endpoint {
             created: now,
             sent_welcome: false,
             got_welcome: false,
+            handshaking: false,
             diverged: false,
             detached: false,
             last_rx: now,
@@ -349,6 +353,7 @@ impl Endpoint {
     pub fn handle_connected(&mut self, now: Instant) {
         self.sent_welcome = false;
         self.got_welcome = false;
+        self.handshaking = true;
         self.last_rx = now;
         self.transmit.clear();
         if self.state != LinkState::Degraded {
@@ -369,6 +374,7 @@ impl Endpoint {
 
     /// The link is gone (reset, closed, or closed by the driver after an event).
     pub fn handle_disconnected(&mut self, _now: Instant, reason: &str) {
+        self.handshaking = false;
         match self.state {
             LinkState::Connected => self.lose_peer(format!("link lost: {reason}")),
             LinkState::Handshaking => {
@@ -389,6 +395,12 @@ impl Endpoint {
             },
         );
         self.events.push_back(Event::Refused { reason });
+        self.end_handshake();
+    }
+
+    /// The handshake on the current link failed: the driver drops the link.
+    fn end_handshake(&mut self) {
+        self.handshaking = false;
         if self.state == LinkState::Handshaking {
             self.state = LinkState::Waiting;
         }
@@ -428,13 +440,13 @@ impl Endpoint {
         }
         if self.diverged || self.state == LinkState::Degraded {
             return Err(format!(
-                "resync required: node {} wrote to disk {:?} while the peer was away",
+                "resync required: node {} went on with disk {:?} without its peer",
                 me.node_id, me.disk_name
             ));
         }
         if h.needs_resync {
             return Err(format!(
-                "resync required: node {} wrote to disk {:?} while the peer was away",
+                "resync required: node {} went on with disk {:?} without its peer",
                 h.node_id, me.disk_name
             ));
         }
@@ -460,9 +472,7 @@ impl Endpoint {
             Message::Refuse { reason } => {
                 warn!(disk = %self.cfg.disk_name, "refused by the peer: {reason}");
                 self.events.push_back(Event::Refused { reason });
-                if self.state == LinkState::Handshaking {
-                    self.state = LinkState::Waiting;
-                }
+                self.end_handshake();
             }
             Message::Ping { id } => self.send(now, Message::Pong { id }),
             Message::Pong { .. } => {}
@@ -550,7 +560,7 @@ impl Endpoint {
             self.events.push_back(Event::Refused {
                 reason: format!("protocol violation: {what}"),
             });
-            self.state = LinkState::Waiting;
+            self.end_handshake();
         }
     }
 
@@ -559,6 +569,7 @@ impl Endpoint {
             return;
         }
         self.state = LinkState::Connected;
+        self.handshaking = false;
         info!(disk = %self.cfg.disk_name, peer = self.cfg.peer_id, "peer connected: mirroring");
         self.events.push_back(Event::Connected);
         // Writes started while waiting for the first connection go out now, in order.
@@ -1021,6 +1032,9 @@ impl Endpoint {
     pub fn poll_timeout(&self) -> Option<Instant> {
         let mut t: Option<Instant> = None;
         let mut at = |x: Instant| t = Some(t.map_or(x, |y| y.min(x)));
+        if self.handshaking {
+            at(self.last_rx + self.cfg.peer_timeout);
+        }
         match self.state {
             LinkState::Connected => {
                 at(self.last_rx + self.cfg.peer_timeout);
@@ -1029,7 +1043,7 @@ impl Endpoint {
                     at(oldest + self.cfg.peer_timeout);
                 }
             }
-            LinkState::Handshaking => at(self.last_rx + self.cfg.peer_timeout),
+            LinkState::Handshaking => {}
             LinkState::Waiting => {
                 if let Some(first) = self
                     .unsent
@@ -1060,6 +1074,12 @@ impl Endpoint {
 
     /// Time has reached (or passed) what `poll_timeout` asked for.
     pub fn handle_timeout(&mut self, now: Instant) {
+        if self.handshaking && now >= self.last_rx + self.cfg.peer_timeout {
+            self.end_handshake();
+            self.events.push_back(Event::Refused {
+                reason: "handshake timed out".into(),
+            });
+        }
         match self.state {
             LinkState::Connected => {
                 if now >= self.last_rx + self.cfg.peer_timeout {
@@ -1078,14 +1098,7 @@ impl Endpoint {
                     self.send(now, Message::Ping { id });
                 }
             }
-            LinkState::Handshaking => {
-                if now >= self.last_rx + self.cfg.peer_timeout {
-                    self.state = LinkState::Waiting;
-                    self.events.push_back(Event::Refused {
-                        reason: "handshake timed out".into(),
-                    });
-                }
-            }
+            LinkState::Handshaking => {}
             LinkState::Waiting => {
                 let due = self
                     .unsent

@@ -1,0 +1,1209 @@
+//! `MirroredDisk` end to end: two mirrored disks in one process, each over its own local
+//! replica (a `MemDevice`, or a `FaultyDevice` over one), linked over real TCP on
+//! loopback by `accept_loop` on node 2 and `dial_loop` on node 1, in some tests through a
+//! small proxy that can make the link go silent (a hung peer) without closing it.
+//!
+//! Every wait is bounded; state changes are awaited on `watch_status()`, not slept for.
+//! The loss tests use a 500 ms peer timeout so they are quick; the others keep the
+//! default 5 s so a busy machine never fakes a loss.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpSocket, TcpStream};
+use tokio::sync::watch;
+use tokio::task::{JoinHandle, JoinSet};
+use tokio::time::{sleep, timeout};
+use vsan_core::{BlockDevice, FaultConfig, FaultyDevice, Geometry, IoFlags, MemDevice, PowerCut};
+use vsan_replica::connect::{accept_loop, dial_loop};
+use vsan_replica::protocol::{Config, DiskId, LinkState};
+use vsan_replica::transport::{TcpTransport, Transport};
+use vsan_replica::{MirrorStatus, MirroredDisk};
+
+/// Bound on any single wait that should be quick.
+const WAIT: Duration = Duration::from_secs(10);
+const KIB: u64 = 1 << 10;
+const MIB: u64 = 1 << 20;
+const BS: u32 = 512;
+const NAME: &str = "vol0";
+const DISK_ID: DiskId = DiskId([0x5a; 16]);
+/// Peer timeout of the loss tests.
+const PEER_TIMEOUT: Duration = Duration::from_millis(500);
+/// Peer timeout of the tests that lose nothing (the default).
+const CALM_TIMEOUT: Duration = Duration::from_secs(5);
+const PING: Duration = Duration::from_millis(100);
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// How much later than the peer timeout a write may complete once the peer is gone.
+const LOSS_MARGIN: Duration = Duration::from_millis(1500);
+/// How long the active-active hammers run.
+const HAMMER_FOR: Duration = Duration::from_millis(1500);
+
+// ----- helpers -----
+
+async fn within<T>(what: &str, fut: impl Future<Output = T>) -> T {
+    within_for(WAIT, what, fut).await
+}
+
+async fn within_for<T>(limit: Duration, what: &str, fut: impl Future<Output = T>) -> T {
+    match timeout(limit, fut).await {
+        Ok(v) => v,
+        Err(_) => panic!("{what}: not done within {limit:?}"),
+    }
+}
+
+fn geometry(size: u64) -> Geometry {
+    Geometry::new(size, BS).unwrap()
+}
+
+fn mem(size: u64) -> Arc<MemDevice> {
+    Arc::new(MemDevice::new(geometry(size)))
+}
+
+fn faulty(size: u64) -> Arc<FaultyDevice<MemDevice>> {
+    Arc::new(FaultyDevice::new(MemDevice::new(geometry(size))))
+}
+
+fn config(node: u32, size: u64, disk_id: DiskId, peer_timeout: Duration) -> Config {
+    let mut cfg = Config::new(node, 3 - node, disk_id, NAME, size, BS);
+    cfg.peer_timeout = peer_timeout;
+    cfg.ping_interval = PING;
+    cfg.connect_timeout = CONNECT_TIMEOUT;
+    cfg
+}
+
+fn start(cfg: Config, local: Arc<dyn BlockDevice>) -> MirroredDisk {
+    MirroredDisk::start(cfg, local).unwrap()
+}
+
+/// Node 2's side: listen on `addr` (retrying a little while an old listener on the same
+/// port goes away) and route links to `disk`. Returns the address to dial and the accept
+/// task (abort it to stop listening).
+async fn serve(disk: &MirroredDisk, addr: &str) -> (String, JoinHandle<()>) {
+    let transport = TcpTransport::new();
+    let listener = within(&format!("listen on {addr}"), async {
+        loop {
+            match transport.listen(addr).await {
+                Ok(l) => return l,
+                Err(_) => sleep(Duration::from_millis(20)).await,
+            }
+        }
+    })
+    .await;
+    let local = listener.local_addr();
+    let disks = HashMap::from([(disk.name().to_string(), disk.clone())]);
+    (local, tokio::spawn(accept_loop(listener, disks)))
+}
+
+/// Node 1's side: keep `disk` linked to `addr`.
+fn dial(disk: &MirroredDisk, addr: &str) -> JoinHandle<()> {
+    let transport = Arc::new(TcpTransport::new());
+    tokio::spawn(dial_loop(transport, addr.to_string(), disk.clone()))
+}
+
+/// A loopback address nothing listens on (yet).
+fn free_addr() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().to_string()
+}
+
+async fn wait_for(
+    disk: &MirroredDisk,
+    what: &str,
+    pred: impl Fn(&MirrorStatus) -> bool,
+) -> MirrorStatus {
+    wait_for_within(WAIT, disk, what, pred).await
+}
+
+async fn wait_for_within(
+    limit: Duration,
+    disk: &MirroredDisk,
+    what: &str,
+    pred: impl Fn(&MirrorStatus) -> bool,
+) -> MirrorStatus {
+    let mut rx = disk.watch_status();
+    let waited = timeout(limit, async {
+        loop {
+            {
+                let s = rx.borrow_and_update();
+                if pred(&s) {
+                    return Some(s.clone());
+                }
+            }
+            if rx.changed().await.is_err() {
+                return None;
+            }
+        }
+    })
+    .await;
+    match waited {
+        Ok(Some(s)) => s,
+        Ok(None) => panic!("{what}: the mirror driver stopped"),
+        Err(_) => panic!(
+            "{what}: not reached within {limit:?}; status now {:?}",
+            disk.status()
+        ),
+    }
+}
+
+async fn connected(disk: &MirroredDisk, who: &str) {
+    wait_for(disk, &format!("{who} connected"), |s| {
+        s.link == LinkState::Connected
+    })
+    .await;
+}
+
+fn problem_contains(s: &MirrorStatus, text: &str) -> bool {
+    s.last_problem.as_deref().is_some_and(|p| p.contains(text))
+}
+
+/// Records whether `disk`'s link is ever seen in `state` from now on (every status
+/// change is looked at; a state that comes and goes between two looks can be missed).
+fn record_seen(disk: &MirroredDisk, state: LinkState) -> Arc<AtomicBool> {
+    let seen = Arc::new(AtomicBool::new(false));
+    let flag = Arc::clone(&seen);
+    let mut rx = disk.watch_status();
+    tokio::spawn(async move {
+        loop {
+            if rx.borrow_and_update().link == state {
+                flag.store(true, Ordering::SeqCst);
+            }
+            if rx.changed().await.is_err() {
+                return;
+            }
+        }
+    });
+    seen
+}
+
+fn random_bytes(rng: &mut SmallRng, len: usize) -> Bytes {
+    let mut v = vec![0u8; len];
+    rng.fill(&mut v[..]);
+    Bytes::from(v)
+}
+
+async fn write(dev: &dyn BlockDevice, offset: u64, data: Bytes, flags: IoFlags) {
+    let len = data.len();
+    within(
+        &format!("write {len}@{offset}"),
+        dev.write(offset, data, flags),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("write {len}@{offset}: {e}"));
+}
+
+async fn read(dev: &dyn BlockDevice, offset: u64, len: u64) -> Bytes {
+    within(
+        &format!("read {len}@{offset}"),
+        dev.read(offset, len as usize),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("read {len}@{offset}: {e}"))
+}
+
+async fn flush(dev: &dyn BlockDevice, who: &str) {
+    within(&format!("flush on {who}"), dev.flush())
+        .await
+        .unwrap_or_else(|e| panic!("flush on {who}: {e}"));
+}
+
+async fn image(dev: &dyn BlockDevice) -> Bytes {
+    read(dev, 0, dev.geometry().size()).await
+}
+
+/// Panics with the first differing offset (not megabytes of bytes) when `a != b`.
+fn assert_same(what: &str, a: &[u8], b: &[u8]) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths differ");
+    if let Some(i) = a.iter().zip(b).position(|(x, y)| x != y) {
+        let bs = BS as usize;
+        let blocks = a
+            .chunks(bs)
+            .zip(b.chunks(bs))
+            .filter(|(x, y)| x != y)
+            .count();
+        panic!(
+            "{what}: differ first at byte {i} (block {}); {blocks} blocks of {bs} bytes differ",
+            i / bs
+        );
+    }
+}
+
+fn is_zero(b: &[u8]) -> bool {
+    b.iter().all(|&x| x == 0)
+}
+
+/// Two connected mirrored disks: node 1 dials node 2.
+struct Pair {
+    d1: MirroredDisk,
+    d2: MirroredDisk,
+}
+
+impl Pair {
+    async fn start(
+        l1: Arc<dyn BlockDevice>,
+        l2: Arc<dyn BlockDevice>,
+        peer_timeout: Duration,
+    ) -> Pair {
+        let size = l1.geometry().size();
+        let d2 = start(config(2, size, DISK_ID, peer_timeout), l2);
+        let (addr, _accept) = serve(&d2, "127.0.0.1:0").await;
+        let d1 = start(config(1, size, DISK_ID, peer_timeout), l1);
+        dial(&d1, &addr);
+        connected(&d1, "node 1").await;
+        connected(&d2, "node 2").await;
+        Pair { d1, d2 }
+    }
+}
+
+// ----- writers with a model, for the failure tests -----
+
+/// What one writer task did: it owns `[base, base + model.len())` alone, so `model` is
+/// exactly what the disk must hold there.
+struct WriterReport {
+    base: u64,
+    model: Vec<u8>,
+    /// Writes completed, by the phase they were submitted in (0 before the fault, 1 after).
+    writes: [u64; 2],
+    max_latency: Duration,
+}
+
+struct Writers {
+    stop: Arc<AtomicBool>,
+    phase: Arc<AtomicUsize>,
+    set: JoinSet<Result<WriterReport, String>>,
+}
+
+impl Writers {
+    /// `tasks` tasks writing random 4 KiB blocks on `disk`, each in its own `region`;
+    /// with `verify`, each reads its block back right after writing it.
+    fn start(disk: &MirroredDisk, tasks: u64, region: u64, seed: u64, verify: bool) -> Writers {
+        let stop = Arc::new(AtomicBool::new(false));
+        let phase = Arc::new(AtomicUsize::new(0));
+        let mut set = JoinSet::new();
+        for t in 0..tasks {
+            let (disk, stop, phase) = (disk.clone(), Arc::clone(&stop), Arc::clone(&phase));
+            set.spawn(async move {
+                let mut rng = SmallRng::seed_from_u64(seed * 1000 + t);
+                let base = t * region;
+                let mut rep = WriterReport {
+                    base,
+                    model: vec![0; region as usize],
+                    writes: [0; 2],
+                    max_latency: Duration::ZERO,
+                };
+                while !stop.load(Ordering::SeqCst) {
+                    let at = rng.random_range(0..region / 4096) * 4096;
+                    let data = random_bytes(&mut rng, 4096);
+                    let ph = phase.load(Ordering::SeqCst);
+                    let began = Instant::now();
+                    disk.write(base + at, data.clone(), IoFlags::empty())
+                        .await
+                        .map_err(|e| {
+                            format!("task {t}: write at {} (phase {ph}): {e}", base + at)
+                        })?;
+                    rep.max_latency = rep.max_latency.max(began.elapsed());
+                    rep.model[at as usize..at as usize + 4096].copy_from_slice(&data);
+                    rep.writes[ph] += 1;
+                    if verify {
+                        let got = disk.read(base + at, 4096).await.map_err(|e| {
+                            format!("task {t}: read at {} (phase {ph}): {e}", base + at)
+                        })?;
+                        if got != data {
+                            return Err(format!(
+                                "task {t}: read at {} (phase {ph}) right after the write returned other data",
+                                base + at
+                            ));
+                        }
+                    }
+                }
+                Ok(rep)
+            });
+        }
+        Writers { stop, phase, set }
+    }
+
+    fn next_phase(&self) {
+        self.phase.store(1, Ordering::SeqCst);
+    }
+
+    /// Stops the writers; panics on any failure. Bounded by `limit`.
+    async fn stop(mut self, limit: Duration) -> Vec<WriterReport> {
+        self.stop.store(true, Ordering::SeqCst);
+        let mut reports = Vec::new();
+        let mut errors = Vec::new();
+        within_for(limit, "writers to finish (a request hangs)", async {
+            while let Some(r) = self.set.join_next().await {
+                match r.expect("writer task panicked") {
+                    Ok(rep) => reports.push(rep),
+                    Err(e) => errors.push(e),
+                }
+            }
+        })
+        .await;
+        assert!(errors.is_empty(), "writer errors: {errors:#?}");
+        reports
+    }
+}
+
+/// `dev` holds what the writers wrote.
+async fn verify(dev: &dyn BlockDevice, reports: &[WriterReport], what: &str) {
+    for r in reports {
+        let got = read(dev, r.base, r.model.len() as u64).await;
+        assert_same(&format!("{what}, region at {}", r.base), &got, &r.model);
+    }
+}
+
+fn totals(reports: &[WriterReport]) -> ([u64; 2], Duration) {
+    let mut writes = [0; 2];
+    let mut max = Duration::ZERO;
+    for r in reports {
+        writes[0] += r.writes[0];
+        writes[1] += r.writes[1];
+        max = max.max(r.max_latency);
+    }
+    (writes, max)
+}
+
+// ----- a proxy that can make the link go silent -----
+
+/// What the proxy does with new connections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum NewLinks {
+    /// Forward them to the upstream.
+    Pass,
+    /// Close them at once (as if nothing listened).
+    Close,
+    /// Keep them open and never answer (a hung peer).
+    Hold,
+}
+
+/// A TCP proxy in front of node 2. `blackhole` makes every link so far go silent in both
+/// directions without closing it: nothing is forwarded or read any more, as with a peer
+/// that hung or a network that drops everything.
+struct Proxy {
+    addr: String,
+    new_links: watch::Sender<NewLinks>,
+    links: Arc<Mutex<Vec<watch::Sender<bool>>>>,
+}
+
+impl Proxy {
+    async fn start(upstream: &str) -> Proxy {
+        let socket = TcpSocket::new_v4().unwrap();
+        // A small receive buffer (accepted sockets inherit it), so a silent link backs up
+        // quickly into the sender's queue, as it would with a hung peer.
+        socket.set_recv_buffer_size(64 * 1024).unwrap();
+        socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let listener = socket.listen(64).unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let (new_links, mode) = watch::channel(NewLinks::Pass);
+        let links: Arc<Mutex<Vec<watch::Sender<bool>>>> = Arc::default();
+        let registry = Arc::clone(&links);
+        let upstream = upstream.to_string();
+        tokio::spawn(async move {
+            loop {
+                let Ok((client, _)) = listener.accept().await else {
+                    continue;
+                };
+                let now = *mode.borrow();
+                match now {
+                    NewLinks::Close => drop(client),
+                    NewLinks::Hold => {
+                        tokio::spawn(async move {
+                            let _held = client;
+                            std::future::pending::<()>().await;
+                        });
+                    }
+                    NewLinks::Pass => {
+                        let Ok(server) = TcpStream::connect(&upstream).await else {
+                            continue;
+                        };
+                        let (frozen_tx, frozen) = watch::channel(false);
+                        registry.lock().unwrap().push(frozen_tx);
+                        let (cr, cw) = client.into_split();
+                        let (sr, sw) = server.into_split();
+                        tokio::spawn(pump(cr, sw, frozen.clone()));
+                        tokio::spawn(pump(sr, cw, frozen));
+                    }
+                }
+            }
+        });
+        Proxy {
+            addr,
+            new_links,
+            links,
+        }
+    }
+
+    /// Every link so far goes silent for good; new links are treated as `new`.
+    fn blackhole(&self, new: NewLinks) {
+        self.new_links.send_replace(new);
+        for link in self.links.lock().unwrap().iter() {
+            let _ = link.send(true);
+        }
+    }
+
+    /// New links are forwarded again (the silent ones stay silent).
+    fn restore(&self) {
+        self.new_links.send_replace(NewLinks::Pass);
+    }
+}
+
+enum Step {
+    Frozen(bool),
+    Read(std::io::Result<usize>),
+}
+
+async fn pump(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, mut frozen: watch::Receiver<bool>) {
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let step = tokio::select! {
+            biased;
+            f = frozen.wait_for(|f| *f) => Step::Frozen(f.is_ok()),
+            n = from.read(&mut buf) => Step::Read(n),
+        };
+        match step {
+            Step::Frozen(true) => {
+                // Hold both sockets open and never touch them again.
+                let _held = (from, to);
+                std::future::pending::<()>().await;
+                return;
+            }
+            Step::Frozen(false) | Step::Read(Ok(0) | Err(_)) => {
+                let _ = to.shutdown().await;
+                return;
+            }
+            Step::Read(Ok(n)) => {
+                if to.write_all(&buf[..n]).await.is_err() {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+// ----- 1. reads on the other node -----
+
+/// A write on either node reads back from the other, whose local replica holds it; the
+/// replicas are byte-identical.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn writes_on_one_node_read_back_from_the_other() {
+    let (m1, m2) = (mem(MIB), mem(MIB));
+    let p = Pair::start(m1.clone(), m2.clone(), CALM_TIMEOUT).await;
+    let mut rng = SmallRng::seed_from_u64(1);
+
+    let a = random_bytes(&mut rng, 8 * KIB as usize);
+    write(&p.d1, 4 * KIB, a.clone(), IoFlags::empty()).await;
+    assert_eq!(
+        read(&p.d2, 4 * KIB, 8 * KIB).await,
+        a,
+        "node 2 reads node 1's write"
+    );
+    assert_eq!(read(&*m2, 4 * KIB, 8 * KIB).await, a, "node 2's replica");
+    assert_eq!(read(&*m1, 4 * KIB, 8 * KIB).await, a, "node 1's replica");
+
+    // The reverse, three blocks not 4 KiB aligned.
+    let b = random_bytes(&mut rng, 3 * BS as usize);
+    write(&p.d2, 64 * KIB + 512, b.clone(), IoFlags::empty()).await;
+    assert_eq!(
+        read(&p.d1, 64 * KIB + 512, 1536).await,
+        b,
+        "node 1 reads node 2's write"
+    );
+    assert_eq!(
+        read(&*m1, 64 * KIB + 512, 1536).await,
+        b,
+        "node 1's replica"
+    );
+    assert_eq!(
+        read(&*m2, 64 * KIB + 512, 1536).await,
+        b,
+        "node 2's replica"
+    );
+
+    // A larger one across the replicas' internal 64 KiB segments, with FUA.
+    let c = random_bytes(&mut rng, 200 * KIB as usize);
+    write(&p.d1, 300 * KIB, c.clone(), IoFlags::FUA).await;
+    assert_eq!(read(&p.d2, 300 * KIB, 200 * KIB).await, c);
+    assert_eq!(read(&*m2, 300 * KIB, 200 * KIB).await, c);
+
+    assert_same("replicas", &image(&*m1).await, &image(&*m2).await);
+    for (who, d) in [("node 1", &p.d1), ("node 2", &p.d2)] {
+        let s = d.status();
+        assert_eq!(s.link, LinkState::Connected, "{who}: {s:?}");
+        assert!(
+            !s.diverged && !s.local_detached && s.last_problem.is_none(),
+            "{who}: {s:?}"
+        );
+    }
+}
+
+// ----- 2. flush and FUA -----
+
+/// A flush on either node makes writes completed on either node durable on both; a FUA
+/// write is durable on both without a flush; an unflushed write is lost by a power cut
+/// on both (so the checks can fail).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn flush_and_fua_survive_power_cuts_on_both_nodes() {
+    let (f1, f2) = (faulty(MIB), faulty(MIB));
+    let p = Pair::start(f1.clone(), f2.clone(), CALM_TIMEOUT).await;
+    let mut rng = SmallRng::seed_from_u64(2);
+    let len = 4 * KIB;
+    let data = |rng: &mut SmallRng| random_bytes(rng, len as usize);
+    let (a, b, c, d, e, f, g) = (
+        data(&mut rng),
+        data(&mut rng),
+        data(&mut rng),
+        data(&mut rng),
+        data(&mut rng),
+        data(&mut rng),
+        data(&mut rng),
+    );
+    // A: written and flushed on node 1.
+    write(&p.d1, 0, a.clone(), IoFlags::empty()).await;
+    flush(&p.d1, "node 1").await;
+    // B: written on node 2, flushed on node 1.
+    write(&p.d2, 8 * KIB, b.clone(), IoFlags::empty()).await;
+    flush(&p.d1, "node 1").await;
+    // C: written on node 1, flushed on node 2.
+    write(&p.d1, 16 * KIB, c.clone(), IoFlags::empty()).await;
+    flush(&p.d2, "node 2").await;
+    // D, E: FUA writes on node 1 and node 2, never flushed.
+    write(&p.d1, 24 * KIB, d.clone(), IoFlags::FUA).await;
+    write(&p.d2, 32 * KIB, e.clone(), IoFlags::FUA).await;
+    // F, G: plain writes on node 1 and node 2, never flushed.
+    write(&p.d1, 40 * KIB, f.clone(), IoFlags::empty()).await;
+    write(&p.d2, 48 * KIB, g.clone(), IoFlags::empty()).await;
+
+    let all = [
+        (0, &a),
+        (8, &b),
+        (16, &c),
+        (24, &d),
+        (32, &e),
+        (40, &f),
+        (48, &g),
+    ];
+    for (who, dev) in [("node 1", &f1), ("node 2", &f2)] {
+        for (k, x) in all {
+            assert_eq!(
+                &read(&**dev, k * KIB, len).await,
+                x,
+                "{who} before the cut, at {k} KiB"
+            );
+        }
+        assert_eq!(dev.pending_writes(), 2, "{who}: only F and G are volatile");
+    }
+
+    let cut = async {
+        tokio::join!(
+            f1.power_cut(PowerCut::DropUnflushed),
+            f2.power_cut(PowerCut::DropUnflushed)
+        )
+    };
+    let (r1, r2) = within("power cuts", cut).await;
+    r1.unwrap();
+    r2.unwrap();
+
+    for (who, dev) in [("node 1", &f1), ("node 2", &f2)] {
+        for (k, x) in &all[..5] {
+            assert_eq!(
+                &read(&**dev, k * KIB, len).await,
+                *x,
+                "{who} after the cut: flushed/FUA data at {k} KiB lost"
+            );
+        }
+        for k in [40, 48] {
+            assert!(
+                is_zero(&read(&**dev, k * KIB, len).await),
+                "{who} after the cut: unflushed write at {k} KiB survived DropUnflushed"
+            );
+        }
+    }
+    assert_same(
+        "replicas after the cut",
+        &image(&*f1).await,
+        &image(&*f2).await,
+    );
+}
+
+// ----- 3. active-active -----
+
+/// Both nodes write the same 1 MiB with many requests in flight; afterwards the replicas
+/// are byte-identical.
+async fn hammer(seed: u64, mixed: bool) {
+    const TASKS: u64 = 32;
+    let (m1, m2) = (mem(MIB), mem(MIB));
+    let p = Pair::start(m1.clone(), m2.clone(), CALM_TIMEOUT).await;
+    let deadline = Instant::now() + HAMMER_FOR;
+    let mut set = JoinSet::new();
+    for (node, disk) in [(1u64, &p.d1), (2, &p.d2)] {
+        for t in 0..TASKS {
+            let disk = disk.clone();
+            set.spawn(async move {
+                let mut rng = SmallRng::seed_from_u64(seed ^ (node << 32) ^ t);
+                let mut n = 0u64;
+                while Instant::now() < deadline {
+                    let (offset, len) = if mixed {
+                        let blocks = rng.random_range(1..=128u64);
+                        (rng.random_range(0..=MIB / 512 - blocks) * 512, blocks * 512)
+                    } else {
+                        (rng.random_range(0..MIB / 4096) * 4096, 4096)
+                    };
+                    let kind = if mixed { rng.random_range(0..20) } else { 19 };
+                    let r = match kind {
+                        0 => disk.write_zeroes(offset, len, IoFlags::empty()).await,
+                        1 => disk.discard(offset, len).await,
+                        2 => {
+                            let data = random_bytes(&mut rng, len as usize);
+                            disk.write(offset, data, IoFlags::FUA).await
+                        }
+                        _ => {
+                            let data = random_bytes(&mut rng, len as usize);
+                            disk.write(offset, data, IoFlags::empty()).await
+                        }
+                    };
+                    if let Err(e) = r {
+                        return Err(format!(
+                            "node {node} task {t}: op {kind} {len}@{offset}: {e}"
+                        ));
+                    }
+                    n += 1;
+                }
+                Ok((node, n))
+            });
+        }
+    }
+    let mut done = [0u64; 2];
+    within_for(HAMMER_FOR + WAIT, "hammer writes", async {
+        while let Some(r) = set.join_next().await {
+            let (node, n) = r
+                .expect("hammer task panicked")
+                .unwrap_or_else(|e| panic!("{e}"));
+            done[node as usize - 1] += n;
+        }
+    })
+    .await;
+    eprintln!(
+        "hammer (mixed: {mixed}): node 1 {} writes, node 2 {}",
+        done[0], done[1]
+    );
+    assert!(
+        done[0] >= 100 && done[1] >= 100,
+        "too little I/O to prove anything: {done:?}"
+    );
+
+    let (r1, r2) = within("flush both", async {
+        tokio::join!(p.d1.flush(), p.d2.flush())
+    })
+    .await;
+    r1.unwrap();
+    r2.unwrap();
+    for (who, d) in [("node 1", &p.d1), ("node 2", &p.d2)] {
+        let s = d.status();
+        assert_eq!(s.link, LinkState::Connected, "{who}: {s:?}");
+        assert!(!s.diverged, "{who}: {s:?}");
+    }
+    let i1 = image(&*m1).await;
+    assert_same("replicas after the hammer", &i1, &image(&*m2).await);
+    assert_same("reads through node 1", &read(&p.d1, 0, MIB).await, &i1);
+    assert_same("reads through node 2", &read(&p.d2, 0, MIB).await, &i1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn active_active_hammer_4k_leaves_identical_replicas() {
+    hammer(3, false).await;
+}
+
+/// 512 B..64 KiB at 512-byte offsets (partial overlaps), with some FUA writes,
+/// write_zeroes and discards among them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn active_active_hammer_mixed_sizes_leaves_identical_replicas() {
+    hammer(33, true).await;
+}
+
+// ----- 4. TRIM and WRITE_ZEROES -----
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn trim_and_write_zeroes_are_mirrored() {
+    let (m1, m2) = (mem(MIB), mem(MIB));
+    let p = Pair::start(m1.clone(), m2.clone(), CALM_TIMEOUT).await;
+    let mut rng = SmallRng::seed_from_u64(4);
+    let a = random_bytes(&mut rng, 256 * KIB as usize);
+    let b = random_bytes(&mut rng, 256 * KIB as usize);
+    write(&p.d1, 0, a.clone(), IoFlags::empty()).await;
+    write(&p.d2, 256 * KIB, b.clone(), IoFlags::empty()).await;
+    let mut expect = [a.as_ref(), b.as_ref()].concat();
+
+    let zeroed: [(u64, u64); 5] = [
+        (4 * KIB, 60 * KIB),
+        (100 * KIB + 512, 1536),
+        (200 * KIB, 64 * KIB),
+        (300 * KIB + 1024, 8 * KIB),
+        (400 * KIB, 4 * KIB),
+    ];
+    let ops = async {
+        let [z0, z1, z2, z3, z4] = zeroed;
+        p.d1.discard(z0.0, z0.1).await?;
+        p.d2.discard(z1.0, z1.1).await?;
+        p.d1.write_zeroes(z2.0, z2.1, IoFlags::empty()).await?;
+        p.d2.write_zeroes(z3.0, z3.1, IoFlags::FUA).await?;
+        p.d1.write_zeroes(z4.0, z4.1, IoFlags::FUA).await
+    };
+    within("discards and write_zeroes", ops).await.unwrap();
+    for (off, len) in zeroed {
+        expect[off as usize..(off + len) as usize].fill(0);
+    }
+
+    let devs: [(&str, &dyn BlockDevice); 4] = [
+        ("node 1's replica", &*m1),
+        ("node 2's replica", &*m2),
+        ("reads through node 1", &p.d1),
+        ("reads through node 2", &p.d2),
+    ];
+    for (who, dev) in devs {
+        assert_same(who, &read(dev, 0, 512 * KIB).await, &expect);
+    }
+    assert_same("replicas", &image(&*m1).await, &image(&*m2).await);
+}
+
+// ----- 5. local disk error -----
+
+/// Node 1's local replica starts failing every operation mid-run: writes and reads on
+/// node 1 keep succeeding through node 2, with the right data, and node 1 reports the
+/// replica detached.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn local_disk_failure_is_served_through_the_peer() {
+    let (f1, m2) = (faulty(MIB), mem(MIB));
+    let p = Pair::start(f1.clone(), m2.clone(), CALM_TIMEOUT).await;
+    let writers = Writers::start(&p.d1, 8, 64 * KIB, 5, true);
+    sleep(Duration::from_millis(200)).await;
+
+    writers.next_phase();
+    f1.set_faults(FaultConfig::new());
+    let s = wait_for(&p.d1, "node 1 detaches its local replica", |s| {
+        s.local_detached
+    })
+    .await;
+    assert!(
+        problem_contains(&s, "local replica failed"),
+        "node 1: {s:?}"
+    );
+    // Keep writing and reading, now all through node 2.
+    sleep(Duration::from_millis(300)).await;
+    let reports = writers.stop(WAIT).await;
+    let (writes, _) = totals(&reports);
+    assert!(
+        writes[0] > 0 && writes[1] > 0,
+        "writes before/after the fault: {writes:?}"
+    );
+
+    verify(&p.d1, &reports, "reads through node 1 (served by node 2)").await;
+    verify(&*m2, &reports, "node 2's replica").await;
+    flush(&p.d1, "node 1 (detached)").await;
+    let s = p.d1.status();
+    assert!(
+        s.local_detached && s.link == LinkState::Connected,
+        "node 1: {s:?}"
+    );
+    let s = p.d2.status();
+    assert!(
+        s.link == LinkState::Connected && !s.local_detached,
+        "node 2: {s:?}"
+    );
+}
+
+// ----- 6. peer lost -----
+
+/// Node 2 stops (no listener, no disk handle) while node 1 writes: every write on node 1
+/// completes, degraded, without hanging; node 1 reads its data back; when node 2 comes
+/// back the reconnect is refused with "resync required" instead of resuming.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn peer_stopped_writes_complete_degraded_and_reconnect_is_refused() {
+    let (m1, m2) = (mem(MIB), mem(MIB));
+    let d2 = start(config(2, MIB, DISK_ID, PEER_TIMEOUT), m2.clone());
+    let (addr, accept) = serve(&d2, "127.0.0.1:0").await;
+    let d1 = start(config(1, MIB, DISK_ID, PEER_TIMEOUT), m1.clone());
+    dial(&d1, &addr);
+    connected(&d1, "node 1").await;
+    connected(&d2, "node 2").await;
+
+    let writers = Writers::start(&d1, 8, 64 * KIB, 6, true);
+    sleep(Duration::from_millis(200)).await;
+
+    // Stop node 2.
+    writers.next_phase();
+    accept.abort();
+    let _ = within("accept loop to stop", accept).await;
+    drop(d2);
+    let lost = Instant::now();
+    let s = wait_for_within(PEER_TIMEOUT + LOSS_MARGIN, &d1, "node 1 degraded", |s| {
+        s.link == LinkState::Degraded
+    })
+    .await;
+    eprintln!(
+        "node 1 degraded {:?} after node 2 stopped: {s:?}",
+        lost.elapsed()
+    );
+    sleep(Duration::from_millis(300)).await;
+    let reports = writers.stop(PEER_TIMEOUT + LOSS_MARGIN).await;
+    let (writes, max_latency) = totals(&reports);
+    assert!(
+        writes[0] > 0 && writes[1] > 0,
+        "writes before/after the loss: {writes:?}"
+    );
+    assert!(
+        max_latency <= PEER_TIMEOUT + LOSS_MARGIN,
+        "a write took {max_latency:?}"
+    );
+    let s = d1.status();
+    assert!(
+        s.link == LinkState::Degraded && s.diverged && s.last_problem.is_some(),
+        "node 1: {s:?}"
+    );
+    verify(&d1, &reports, "reads through node 1 (degraded)").await;
+    verify(&*m1, &reports, "node 1's replica").await;
+
+    // Node 2 comes back on the same address with its (stale) replica.
+    let d2 = start(config(2, MIB, DISK_ID, PEER_TIMEOUT), m2.clone());
+    let seen2 = record_seen(&d2, LinkState::Connected);
+    let seen1 = record_seen(&d1, LinkState::Connected);
+    let (_, _accept) = serve(&d2, &addr).await;
+    let resync = |s: &MirrorStatus| problem_contains(s, "resync required");
+    let s1 = wait_for(&d1, "node 1 refuses to resume", resync).await;
+    let s2 = wait_for(&d2, "node 2 refuses to resume", resync).await;
+    eprintln!("refused: node 1 {s1:?}, node 2 {s2:?}");
+
+    // Not silently resumed: a new write on node 1 completes alone and never reaches node 2.
+    let x = Bytes::from(vec![0xee; 4096]);
+    write(&d1, 900 * KIB, x.clone(), IoFlags::empty()).await;
+    assert_eq!(read(&*m1, 900 * KIB, 4096).await, x);
+    assert!(
+        is_zero(&read(&*m2, 900 * KIB, 4096).await),
+        "node 2 got a write after the loss"
+    );
+    assert!(
+        !seen1.load(Ordering::SeqCst) && !seen2.load(Ordering::SeqCst),
+        "a node reconnected"
+    );
+    assert_eq!(d1.status().link, LinkState::Degraded);
+    assert_ne!(d2.status().link, LinkState::Connected);
+}
+
+/// The link goes silent (a hung peer: nothing answers, nothing closes): node 1's
+/// in-flight and new writes complete degraded within the peer timeout plus a margin;
+/// once node 2 is reachable again, the reconnect is refused with "resync required".
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn peer_silent_writes_complete_degraded_within_the_peer_timeout() {
+    let (m1, m2) = (mem(MIB), mem(MIB));
+    let d2 = start(config(2, MIB, DISK_ID, PEER_TIMEOUT), m2.clone());
+    let (addr2, _accept) = serve(&d2, "127.0.0.1:0").await;
+    let proxy = Proxy::start(&addr2).await;
+    let d1 = start(config(1, MIB, DISK_ID, PEER_TIMEOUT), m1.clone());
+    dial(&d1, &proxy.addr);
+    connected(&d1, "node 1").await;
+    connected(&d2, "node 2").await;
+
+    let writers = Writers::start(&d1, 8, 64 * KIB, 7, true);
+    sleep(Duration::from_millis(200)).await;
+
+    writers.next_phase();
+    proxy.blackhole(NewLinks::Close);
+    let lost = Instant::now();
+    let s = wait_for_within(PEER_TIMEOUT + LOSS_MARGIN, &d1, "node 1 degraded", |s| {
+        s.link == LinkState::Degraded
+    })
+    .await;
+    eprintln!(
+        "node 1 degraded {:?} after the link went silent: {s:?}",
+        lost.elapsed()
+    );
+    sleep(Duration::from_millis(300)).await;
+    let reports = writers.stop(PEER_TIMEOUT + LOSS_MARGIN).await;
+    let (writes, max_latency) = totals(&reports);
+    assert!(
+        writes[0] > 0 && writes[1] > 0,
+        "writes before/after the loss: {writes:?}"
+    );
+    assert!(
+        max_latency <= PEER_TIMEOUT + LOSS_MARGIN,
+        "a write took {max_latency:?}"
+    );
+    let s = d1.status();
+    assert!(
+        s.link == LinkState::Degraded && s.diverged && s.last_problem.is_some(),
+        "node 1: {s:?}"
+    );
+    verify(&d1, &reports, "reads through node 1 (degraded)").await;
+    verify(&*m1, &reports, "node 1's replica").await;
+    // Node 2 lost node 1 too, and wrote nothing.
+    let s = wait_for(&d2, "node 2 degraded", |s| s.link == LinkState::Degraded).await;
+    assert!(!s.diverged, "node 2: {s:?}");
+
+    let seen1 = record_seen(&d1, LinkState::Connected);
+    let seen2 = record_seen(&d2, LinkState::Connected);
+    proxy.restore();
+    let resync = |s: &MirrorStatus| problem_contains(s, "resync required");
+    wait_for(&d1, "node 1 refuses to resume", resync).await;
+    wait_for(&d2, "node 2 refuses to resume", resync).await;
+    let x = Bytes::from(vec![0xee; 4096]);
+    write(&d1, 900 * KIB, x.clone(), IoFlags::empty()).await;
+    assert!(
+        is_zero(&read(&*m2, 900 * KIB, 4096).await),
+        "node 2 got a write after the loss"
+    );
+    assert!(
+        !seen1.load(Ordering::SeqCst) && !seen2.load(Ordering::SeqCst),
+        "a node reconnected"
+    );
+}
+
+/// Node 1 writes `writes` x 1 MiB at once just after the link went silent; every write
+/// must complete degraded within the peer timeout plus a margin, however much of it is
+/// stuck in the link's send queue.
+async fn silent_peer_burst(writes: u64) {
+    const SIZE: u64 = 64 * MIB;
+    let (m1, m2) = (mem(SIZE), mem(SIZE));
+    let d2 = start(config(2, SIZE, DISK_ID, PEER_TIMEOUT), m2.clone());
+    let (addr2, _accept) = serve(&d2, "127.0.0.1:0").await;
+    let proxy = Proxy::start(&addr2).await;
+    let d1 = start(config(1, SIZE, DISK_ID, PEER_TIMEOUT), m1.clone());
+    dial(&d1, &proxy.addr);
+    connected(&d1, "node 1").await;
+    connected(&d2, "node 2").await;
+
+    proxy.blackhole(NewLinks::Close);
+    let mut set = JoinSet::new();
+    for i in 0..writes {
+        let disk = d1.clone();
+        set.spawn(async move {
+            let data = Bytes::from(vec![i as u8 + 1; MIB as usize]);
+            disk.write(i * MIB, data, IoFlags::empty()).await
+        });
+    }
+    let limit = PEER_TIMEOUT + LOSS_MARGIN;
+    let began = Instant::now();
+    let finished = timeout(limit, async {
+        while let Some(r) = set.join_next().await {
+            r.expect("writer panicked").expect("write failed");
+        }
+    })
+    .await;
+    assert!(
+        finished.is_ok(),
+        "{writes} x 1 MiB writes on node 1 did not complete within {limit:?} after the peer \
+         went silent (status now {:?})",
+        d1.status()
+    );
+    eprintln!(
+        "writes done {:?} after the link went silent",
+        began.elapsed()
+    );
+    wait_for(&d1, "node 1 degraded and diverged", |s| {
+        s.link == LinkState::Degraded && s.diverged
+    })
+    .await;
+    for i in 0..writes {
+        let got = read(&*m1, i * MIB, MIB).await;
+        assert!(
+            got.iter().all(|&b| b == i as u8 + 1),
+            "node 1's replica at {i} MiB"
+        );
+    }
+}
+
+/// More than the socket buffers hold but less than the send queue limit (16 MiB) is
+/// queued when the peer goes silent: closing the lost link must not hold up the
+/// completions (it waits for the queue to drain, up to the transport's close timeout).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn peer_silent_with_data_queued_completes_within_the_peer_timeout() {
+    silent_peer_burst(10).await;
+}
+
+/// More than the socket buffers and the send queue limit (16 MiB) together: the driver
+/// must still notice the peer timeout and complete the writes degraded, not wait for
+/// room in the queue forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn peer_silent_with_a_full_send_queue_does_not_hang_writes() {
+    silent_peer_burst(40).await;
+}
+
+/// After a loss, node 1 redials and reaches a peer that accepts the connection but never
+/// answers its Hello: that attempt must be given up (as a handshake that times out), so
+/// that once node 2 is reachable again node 1 gets there and is refused with "resync
+/// required", rather than sitting on the silent link forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn degraded_node_gives_up_a_reconnect_that_never_answers() {
+    let (m1, m2) = (mem(MIB), mem(MIB));
+    let d2 = start(config(2, MIB, DISK_ID, PEER_TIMEOUT), m2.clone());
+    let (addr2, _accept) = serve(&d2, "127.0.0.1:0").await;
+    let proxy = Proxy::start(&addr2).await;
+    let d1 = start(config(1, MIB, DISK_ID, PEER_TIMEOUT), m1.clone());
+    dial(&d1, &proxy.addr);
+    connected(&d1, "node 1").await;
+    connected(&d2, "node 2").await;
+
+    proxy.blackhole(NewLinks::Hold);
+    wait_for_within(PEER_TIMEOUT + LOSS_MARGIN, &d1, "node 1 degraded", |s| {
+        s.link == LinkState::Degraded
+    })
+    .await;
+    // The dialer reconnects at once and lands on a link that never answers.
+    wait_for(&d1, "node 1 redials", |s| {
+        s.link == LinkState::Degraded && s.link_attached
+    })
+    .await;
+    proxy.restore();
+    let limit = 2 * PEER_TIMEOUT + LOSS_MARGIN + Duration::from_secs(1);
+    wait_for_within(
+        limit,
+        &d1,
+        "node 1 gives up the silent link and is refused by node 2",
+        |s| problem_contains(s, "resync required"),
+    )
+    .await;
+}
+
+// ----- 7. mismatched peers -----
+
+async fn mismatch(size2: u64, id2: DiskId, expect: &str) {
+    let (m1, m2) = (mem(MIB), mem(size2));
+    let d2 = start(config(2, size2, id2, PEER_TIMEOUT), m2);
+    let seen2 = record_seen(&d2, LinkState::Connected);
+    let (addr, _accept) = serve(&d2, "127.0.0.1:0").await;
+    let d1 = start(config(1, MIB, DISK_ID, PEER_TIMEOUT), m1);
+    let seen1 = record_seen(&d1, LinkState::Connected);
+    dial(&d1, &addr);
+    let named = |s: &MirrorStatus| problem_contains(s, expect);
+    let s1 = wait_for(&d1, &format!("node 1 reports {expect:?}"), named).await;
+    let s2 = wait_for(&d2, &format!("node 2 reports {expect:?}"), named).await;
+    eprintln!(
+        "node 1: {:?}\nnode 2: {:?}",
+        s1.last_problem, s2.last_problem
+    );
+    // The dialer keeps retrying (50 ms, 100 ms, ...); none of it may connect.
+    sleep(Duration::from_millis(400)).await;
+    assert!(
+        !seen1.load(Ordering::SeqCst),
+        "node 1 connected to a mismatched peer"
+    );
+    assert!(
+        !seen2.load(Ordering::SeqCst),
+        "node 2 connected to a mismatched peer"
+    );
+    for (who, d) in [("node 1", &d1), ("node 2", &d2)] {
+        let s = d.status();
+        assert_ne!(s.link, LinkState::Connected, "{who}: {s:?}");
+        assert!(named(&s), "{who}: {s:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn peer_with_another_size_is_refused_on_both_nodes() {
+    mismatch(2 * MIB, DISK_ID, "disk size mismatch").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn peer_with_another_disk_id_is_refused_on_both_nodes() {
+    mismatch(MIB, DiskId([0xa5; 16]), "disk id mismatch").await;
+}
+
+// ----- 8. writes before the peer is up -----
+
+/// Writes submitted before the peer is up wait for it and complete mirrored once it
+/// connects within the connect timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn writes_before_the_peer_is_up_wait_and_complete_mirrored() {
+    let (m1, m2) = (mem(MIB), mem(MIB));
+    let addr = free_addr();
+    let d1 = start(config(1, MIB, DISK_ID, PEER_TIMEOUT), m1.clone());
+    let degraded = record_seen(&d1, LinkState::Degraded);
+    dial(&d1, &addr);
+    let began = Instant::now();
+    let mut rng = SmallRng::seed_from_u64(8);
+    let mut set = JoinSet::new();
+    let mut expect = Vec::new();
+    for i in 0..4u64 {
+        let data = random_bytes(&mut rng, 4096);
+        expect.push((i * 64 * KIB, data.clone()));
+        let disk = d1.clone();
+        set.spawn(async move { disk.write(i * 64 * KIB, data, IoFlags::empty()).await });
+    }
+    sleep(Duration::from_millis(200)).await;
+    assert!(
+        set.try_join_next().is_none(),
+        "a write completed before the peer was up"
+    );
+    assert_eq!(d1.status().link, LinkState::Waiting);
+
+    let d2 = start(config(2, MIB, DISK_ID, PEER_TIMEOUT), m2.clone());
+    let (_, _accept) = serve(&d2, &addr).await;
+    within_for(CONNECT_TIMEOUT + LOSS_MARGIN, "the waiting writes", async {
+        while let Some(r) = set.join_next().await {
+            r.expect("writer panicked").expect("write failed");
+        }
+    })
+    .await;
+    let took = began.elapsed();
+    eprintln!("waiting writes done after {took:?}");
+    assert!(
+        took < CONNECT_TIMEOUT,
+        "writes took {took:?}, past the connect timeout"
+    );
+    let s = d1.status();
+    assert!(
+        s.link == LinkState::Connected && !s.diverged,
+        "node 1 completed the writes alone: {s:?}"
+    );
+    assert!(
+        !degraded.load(Ordering::SeqCst),
+        "node 1 went degraded on the way"
+    );
+    for (off, data) in expect {
+        assert_eq!(
+            read(&*m2, off, 4096).await,
+            data,
+            "node 2's replica at {off}"
+        );
+        assert_eq!(
+            read(&*m1, off, 4096).await,
+            data,
+            "node 1's replica at {off}"
+        );
+    }
+}
+
+/// When the peer never comes, waiting writes complete alone after the connect timeout
+/// (degraded), not before and not much later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn writes_complete_alone_when_the_peer_never_comes() {
+    let m1 = mem(MIB);
+    let d1 = start(config(1, MIB, DISK_ID, PEER_TIMEOUT), m1.clone());
+    dial(&d1, &free_addr());
+    let began = Instant::now();
+    let x = Bytes::from(vec![0x42; 4096]);
+    within_for(
+        CONNECT_TIMEOUT + LOSS_MARGIN,
+        "write with no peer",
+        d1.write(0, x.clone(), IoFlags::empty()),
+    )
+    .await
+    .unwrap();
+    let took = began.elapsed();
+    assert!(
+        took >= CONNECT_TIMEOUT - Duration::from_millis(50),
+        "completed alone after only {took:?}"
+    );
+    // The status is published just after the completions.
+    let s = wait_for(&d1, "node 1 degraded and diverged", |s| {
+        s.link == LinkState::Degraded && s.diverged
+    })
+    .await;
+    assert!(problem_contains(&s, "did not connect"), "node 1: {s:?}");
+    assert_eq!(read(&d1, 0, 4096).await, x);
+}
