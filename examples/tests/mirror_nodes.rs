@@ -348,14 +348,13 @@ fn fio_verify_on_both_nodes_at_once_on_disjoint_halves() {
     }
 }
 
-/// How long the overlap hammer runs. The issue asks for 15 s; 5 s keeps this file fast
-/// and is still tens of thousands of overlapping writes from each side.
-/// `VSAN_HAMMER_SECS=15` runs the issue's figure.
+/// How long the overlap hammer runs: the issue's 15 s by default; `VSAN_HAMMER_SECS`
+/// shortens it for quick local runs.
 fn hammer_secs() -> u64 {
     std::env::var("VSAN_HAMMER_SECS")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(5)
+        .unwrap_or(15)
 }
 
 #[test]
@@ -561,4 +560,32 @@ fn after_a_degraded_write_the_restarted_peer_is_refused_resync_required() {
         degraded.len as usize,
     );
     assert_same_bytes(&got, &vec![0x22; MIB as usize], "node 1's degraded write");
+}
+
+#[test]
+fn the_dialing_node_may_start_first_and_retries_until_the_peer_listens() {
+    if !require_tool("qemu-io") {
+        return;
+    }
+    // Node 2's replication port must be known before node 2 starts: take a free one.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free loopback port");
+    let listen = format!("127.0.0.1:{port}");
+    let dir1 = TestDir::new("mirror-dialer-first-n1");
+    let dir2 = TestDir::new("mirror-dialer-first-n2");
+    let s1 = Side::new(1, "vol0", "\"16MiB\"");
+    let s2 = Side::new(2, "vol0", "\"16MiB\"");
+    let n1 = start_dialer(&dir1, &s1, &listen);
+    // Node 1 is up and serving while its peer is not there yet.
+    assert_eq!(n1.log_count(CONNECTED), 0);
+    let n2 = start_acceptor(&dir2, &s2, &listen);
+    n1.wait_log(CONNECTED, EVENT_TIMEOUT);
+    n2.wait_log(CONNECTED, EVENT_TIMEOUT);
+    let r = Region::new(0x6d, 4096, 64 * 1024);
+    qemu_io_writes(&n1.uri("vol0"), &[r]);
+    qemu_io_reads(&n2.uri("vol0"), &[r]);
+    stop_both_clean(n1, n2);
+    assert_replicas_identical(&image(&dir1, "vol0"), &image(&dir2, "vol0"));
 }
