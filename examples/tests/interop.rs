@@ -16,49 +16,12 @@ use std::thread;
 use std::time::Duration;
 
 use common::{
-    Node, ProcessGuard, Sig, TOOL_TIMEOUT, TestDir, ToolOutput, assert_same_bytes, disk_section,
-    node_section, read_file_range, require_tool, run_command, run_tool,
+    Node, ProcessGuard, Region, Sig, TOOL_TIMEOUT, TestDir, ToolOutput, assert_same_bytes,
+    disk_section, node_section, qemu_io, read_file_range, require_tool, run_command, run_tool,
 };
 use rand::{RngCore, SeedableRng};
 
 const MIB: u64 = 1 << 20;
-
-/// A pattern write or read: `len` bytes of `byte` at `offset`.
-#[derive(Debug, Clone, Copy)]
-struct Region {
-    byte: u8,
-    offset: u64,
-    len: u64,
-}
-
-impl Region {
-    fn write(&self) -> String {
-        format!("write -P {:#04x} {} {}", self.byte, self.offset, self.len)
-    }
-
-    fn read(&self) -> String {
-        format!("read -P {:#04x} {} {}", self.byte, self.offset, self.len)
-    }
-
-    /// What qemu-io prints for a completed write / read of this region.
-    fn wrote_line(&self) -> String {
-        format!("wrote {0}/{0} bytes at offset {1}", self.len, self.offset)
-    }
-
-    fn read_line(&self) -> String {
-        format!("read {0}/{0} bytes at offset {1}", self.len, self.offset)
-    }
-}
-
-/// `qemu-io -f raw <uri> -c <cmd>...`, one connection for all commands.
-fn qemu_io(uri: &str, cmds: &[String]) -> ToolOutput {
-    let mut args = vec!["-f".to_string(), "raw".to_string(), uri.to_string()];
-    for c in cmds {
-        args.push("-c".to_string());
-        args.push(c.clone());
-    }
-    run_tool("qemu-io", &args, TOOL_TIMEOUT)
-}
 
 /// qemu-io exited 0 and reported no failed pattern and no error of any kind.
 fn assert_qemu_io_clean(out: &ToolOutput) {

@@ -19,8 +19,8 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use common::{
-    Node, Sig, TOOL_TIMEOUT, TestDir, ToolOutput, assert_same_bytes, find_tool, read_file_range,
-    require_tool, run_command, run_tool, toml_str,
+    Node, Region, Sig, TOOL_TIMEOUT, TestDir, ToolOutput, assert_same_bytes, find_tool,
+    read_file_range, require_tool, run_command, run_tool, toml_str,
 };
 
 const MIB: u64 = 1 << 20;
@@ -142,45 +142,10 @@ fn stop_both_clean(n1: Node, n2: Node) {
     n2.stop_clean(Sig::TERM);
 }
 
-/// A pattern write or read: `len` bytes of `byte` at `offset`.
-#[derive(Debug, Clone, Copy)]
-struct Region {
-    byte: u8,
-    offset: u64,
-    len: u64,
-}
-
-impl Region {
-    const fn new(byte: u8, offset: u64, len: u64) -> Region {
-        Region { byte, offset, len }
-    }
-
-    fn write(&self) -> String {
-        format!("write -P {:#04x} {} {}", self.byte, self.offset, self.len)
-    }
-
-    fn read(&self) -> String {
-        format!("read -P {:#04x} {} {}", self.byte, self.offset, self.len)
-    }
-
-    fn wrote_line(&self) -> String {
-        format!("wrote {0}/{0} bytes at offset {1}", self.len, self.offset)
-    }
-
-    fn read_line(&self) -> String {
-        format!("read {0}/{0} bytes at offset {1}", self.len, self.offset)
-    }
-}
-
 /// `qemu-io -f raw <uri> -c <cmd>...`, one connection for all commands; required to exit
 /// 0 without a failed pattern or any error.
 fn qemu_io(uri: &str, cmds: &[String]) -> ToolOutput {
-    let mut args = vec!["-f".to_string(), "raw".to_string(), uri.to_string()];
-    for c in cmds {
-        args.push("-c".to_string());
-        args.push(c.clone());
-    }
-    let out = run_tool("qemu-io", &args, TOOL_TIMEOUT);
+    let out = common::qemu_io(uri, cmds);
     let lower = out.text().to_lowercase();
     assert!(
         !lower.contains("pattern verification failed")

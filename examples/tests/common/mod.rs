@@ -639,3 +639,50 @@ pub fn read_file_range(path: &Path, offset: u64, len: usize) -> Vec<u8> {
     });
     buf
 }
+
+/// A pattern write or read: `len` bytes of `byte` at `offset`.
+#[derive(Debug, Clone, Copy)]
+pub struct Region {
+    /// The pattern byte.
+    pub byte: u8,
+    /// Byte offset.
+    pub offset: u64,
+    /// Length in bytes.
+    pub len: u64,
+}
+
+impl Region {
+    /// A region of `len` bytes of `byte` at `offset`.
+    pub const fn new(byte: u8, offset: u64, len: u64) -> Region {
+        Region { byte, offset, len }
+    }
+
+    /// The qemu-io command that writes it.
+    pub fn write(&self) -> String {
+        format!("write -P {:#04x} {} {}", self.byte, self.offset, self.len)
+    }
+
+    /// The qemu-io command that reads and checks it.
+    pub fn read(&self) -> String {
+        format!("read -P {:#04x} {} {}", self.byte, self.offset, self.len)
+    }
+
+    /// What qemu-io prints for a completed write / read of this region.
+    pub fn wrote_line(&self) -> String {
+        format!("wrote {0}/{0} bytes at offset {1}", self.len, self.offset)
+    }
+
+    pub fn read_line(&self) -> String {
+        format!("read {0}/{0} bytes at offset {1}", self.len, self.offset)
+    }
+}
+
+/// `qemu-io -f raw <uri> -c <cmd>...`, one connection for all commands.
+pub fn qemu_io(uri: &str, cmds: &[String]) -> ToolOutput {
+    let mut args = vec!["-f".to_string(), "raw".to_string(), uri.to_string()];
+    for c in cmds {
+        args.push("-c".to_string());
+        args.push(c.clone());
+    }
+    run_tool("qemu-io", &args, TOOL_TIMEOUT)
+}

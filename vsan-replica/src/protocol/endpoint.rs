@@ -975,14 +975,12 @@ impl Endpoint {
     }
 
     fn finish_own_write(&mut self, req: RequestId) {
-        let Some(w) = self.own_writes.get(&req) else {
+        let Some((local, remote)) = self
+            .own_writes
+            .get(&req)
+            .and_then(|w| settled(w.local, w.remote))
+        else {
             return;
-        };
-        let Local::Done(local) = w.local else { return };
-        let remote = match w.remote {
-            Remote::Done(s) => Some(s),
-            Remote::Skipped => None,
-            Remote::Unsent | Remote::Sent(_) => return,
         };
         let result = match (local, remote) {
             (Ok(()), Some(Status::Ok)) => Ok(()),
@@ -1005,14 +1003,12 @@ impl Endpoint {
     }
 
     fn finish_flush(&mut self, req: RequestId) {
-        let Some(f) = self.own_flushes.get(&req) else {
+        let Some((local, remote)) = self
+            .own_flushes
+            .get(&req)
+            .and_then(|f| settled(f.local, f.remote))
+        else {
             return;
-        };
-        let Local::Done(local) = f.local else { return };
-        let remote = match f.remote {
-            Remote::Done(s) => Some(s),
-            Remote::Skipped => None,
-            Remote::Unsent | Remote::Sent(_) => return,
         };
         let result = match (local, remote) {
             (Ok(()), _) => Ok(None),
@@ -1129,6 +1125,19 @@ impl Endpoint {
     /// The next event.
     pub fn poll_event(&mut self) -> Option<Event> {
         self.events.pop_front()
+    }
+}
+
+/// Both halves of a request are settled: the local outcome, and the peer's status
+/// (`None` when the request was not mirrored).
+fn settled(local: Local, remote: Remote) -> Option<(Result<(), ErrorKind>, Option<Status>)> {
+    let Local::Done(local) = local else {
+        return None;
+    };
+    match remote {
+        Remote::Done(s) => Some((local, Some(s))),
+        Remote::Skipped => Some((local, None)),
+        Remote::Unsent | Remote::Sent(_) => None,
     }
 }
 
