@@ -260,9 +260,9 @@ struct Driver {
 
 type SendFuture = std::pin::Pin<Box<dyn std::future::Future<Output = Result<()>> + Send>>;
 
-fn send_future(tx: &Arc<dyn LinkTx>, msg: Message) -> SendFuture {
+fn send_future(tx: &Arc<dyn LinkTx>, msgs: Vec<Message>) -> SendFuture {
     let tx = Arc::clone(tx);
-    Box::pin(async move { tx.send(msg).await })
+    Box::pin(async move { tx.send_batch(msgs).await })
 }
 
 impl Driver {
@@ -316,6 +316,40 @@ impl Driver {
                 }
                 _ = sleep_until(deadline) => self.ep.handle_timeout(Instant::now()),
             }
+            // Take everything else that is ready too, so one turn (and one batch of
+            // frames) serves many requests instead of one.
+            if !handles_gone {
+                while let Ok(cmd) = commands.try_recv() {
+                    self.command(cmd);
+                }
+            }
+            while self.rx.is_some() {
+                let ready = {
+                    let mut next = std::pin::pin!(recv(&mut self.rx));
+                    poll_once(&mut next).await
+                };
+                match ready {
+                    Poll::Pending => break,
+                    Poll::Ready(Ok(m)) => self.ep.handle_message(Instant::now(), m),
+                    Poll::Ready(Err(e)) => {
+                        let reason = e.to_string();
+                        self.drop_link();
+                        self.ep.handle_disconnected(Instant::now(), &reason);
+                    }
+                }
+            }
+            while !self.running.is_empty() {
+                let ready = {
+                    let mut next = self.running.next();
+                    poll_once(&mut next).await
+                };
+                match ready {
+                    Poll::Ready(Some((op, res))) => {
+                        self.ep.handle_local_done(Instant::now(), op, res)
+                    }
+                    _ => break,
+                }
+            }
         }
         self.retire_link();
     }
@@ -368,10 +402,12 @@ impl Driver {
     async fn pump_sends(&mut self) {
         while let Some(tx) = &self.tx {
             if self.sending.is_none() {
-                match self.backlog.pop_front() {
-                    Some(m) => self.sending = Some(send_future(tx, m)),
-                    None => return,
+                if self.backlog.is_empty() {
+                    return;
                 }
+                // Everything queued goes to the link in one batch (one write).
+                let batch: Vec<Message> = self.backlog.drain(..).collect();
+                self.sending = Some(send_future(tx, batch));
             }
             let Some(fut) = self.sending.as_mut() else {
                 return;
@@ -408,11 +444,7 @@ impl Driver {
             if let Some(f) = sending {
                 let _ = f.await;
             }
-            for m in backlog {
-                if tx.send(m).await.is_err() {
-                    break;
-                }
-            }
+            let _ = tx.send_batch(backlog.into()).await;
             let _ = tx.close().await;
         });
     }
@@ -478,8 +510,8 @@ impl Driver {
 }
 
 /// Poll `fut` once with the task's own waker.
-async fn poll_once(fut: &mut SendFuture) -> Poll<Result<()>> {
-    std::future::poll_fn(|cx| Poll::Ready(fut.as_mut().poll(cx))).await
+async fn poll_once<F: std::future::Future + Unpin>(fut: &mut F) -> Poll<F::Output> {
+    std::future::poll_fn(|cx| Poll::Ready(std::pin::Pin::new(&mut *fut).poll(cx))).await
 }
 
 async fn poll_sending(sending: &mut Option<SendFuture>) -> Result<()> {

@@ -670,3 +670,57 @@ async fn close_gives_up_on_a_peer_that_stopped_reading() {
         .unwrap_err();
     assert_eq!(late.kind(), ErrorKind::Timeout, "{late}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_arrive_in_order_and_interleave_correctly_with_single_sends() {
+    // Batches of varied sizes (1..200 messages, up to 800 KiB: more than one vectored
+    // write, and more than a socket buffer) mixed with single sends, in one order.
+    const BATCHES: u64 = 60;
+    let (a, b) = pair().await;
+    let (tx, _a_rx) = a.into_split();
+    let (_b_tx, mut rx) = b.into_split();
+    let sender = tokio::spawn(async move {
+        let mut rng = SmallRng::seed_from_u64(7);
+        let mut id = 0u64;
+        for _ in 0..BATCHES {
+            let n = rng.random_range(1..200u64);
+            let batch: Vec<Message> = (id..id + n)
+                .map(|i| Message::Write {
+                    id: i,
+                    offset: i * 4096,
+                    payload: WritePayload::Data(block(i)),
+                    fua: false,
+                })
+                .collect();
+            id += n;
+            tx.send_batch(batch).await.unwrap();
+            tx.send(Message::Ping { id }).await.unwrap();
+            id += 1;
+        }
+        tx.close().await.unwrap();
+        id
+    });
+    let mut expect = 0u64;
+    loop {
+        match within("recv", rx.recv()).await {
+            Ok(Message::Write {
+                id,
+                offset,
+                payload: WritePayload::Data(data),
+                ..
+            }) => {
+                assert_eq!((id, offset), (expect, expect * 4096));
+                assert!(data == block(id), "write {id}: data differs");
+            }
+            Ok(Message::Ping { id }) => assert_eq!(id, expect),
+            Ok(other) => panic!("unexpected {other:?}"),
+            Err(e) => {
+                assert_eq!(e.kind(), ErrorKind::Closed, "{e}");
+                break;
+            }
+        }
+        expect += 1;
+    }
+    let sent = within("sender", sender).await.unwrap();
+    assert_eq!(expect, sent, "every message arrived exactly once");
+}

@@ -98,6 +98,18 @@ pub trait LinkTx: Send + Sync + fmt::Debug {
     /// the link has failed or been closed.
     fn send(&self, msg: Message) -> IoFuture<'_, ()>;
 
+    /// Queues several messages, in order, as if by one [`send`](LinkTx::send) each.
+    /// Byte-stream transports put them on the wire with as few writes as they can (a
+    /// driver that answers many requests in one turn pays one syscall, not one each).
+    fn send_batch(&self, msgs: Vec<Message>) -> IoFuture<'_, ()> {
+        Box::pin(async move {
+            for m in msgs {
+                self.send(m).await?;
+            }
+            Ok(())
+        })
+    }
+
     /// What is queued and not yet sent.
     fn queue_depth(&self) -> QueueDepth;
 
