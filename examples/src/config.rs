@@ -81,6 +81,10 @@ pub struct NodeSection {
     /// Replication listener. The node with the higher id of a pair accepts links here;
     /// the lower id dials its peer's address.
     pub listen: Option<String>,
+    /// Worker threads of the node's async runtime (default: one per core). Nodes that
+    /// share a machine's cores with each other or with their clients do better with
+    /// fewer.
+    pub threads: Option<usize>,
     /// How long a silent peer is waited for before writes go on without it (ms).
     #[serde(default = "default_peer_timeout_ms")]
     pub peer_timeout_ms: u64,
@@ -245,6 +249,9 @@ impl Config {
     }
 
     fn check(&self) -> Result<(), ConfigError> {
+        if self.node.threads == Some(0) {
+            return Err(err("node.threads", "must be at least 1"));
+        }
         if let Some(listen) = &self.node.listen {
             listen.parse::<SocketAddr>().map_err(|_| {
                 err(

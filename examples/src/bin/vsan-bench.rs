@@ -25,33 +25,41 @@ struct Args {
     cmd: Cmd,
 }
 
+/// Options of `vsan-bench nbd`.
+#[derive(clap::Args, Debug)]
+struct NbdArgs {
+    /// Seconds per fio run.
+    #[arg(long, default_value_t = 20)]
+    seconds: u32,
+    /// Rounds (each round runs every server once per workload, in rotating order).
+    #[arg(long, default_value_t = 1)]
+    rounds: u32,
+    /// Size of the exported file in MiB.
+    #[arg(long, default_value_t = 1024)]
+    size_mib: u64,
+    /// fio iodepth.
+    #[arg(long, default_value_t = 32)]
+    iodepth: u32,
+    /// Work directory (default: target/vsan-bench).
+    #[arg(long)]
+    work_dir: Option<PathBuf>,
+    /// Path of vsan-node (default: next to this binary).
+    #[arg(long)]
+    vsan_node: Option<PathBuf>,
+    /// Measure a mirrored disk (two vsan-node processes on this machine, node 1
+    /// exporting) against nbdkit on one plain file, instead of the three servers.
+    #[arg(long)]
+    mirror: bool,
+    /// `node.threads` for each vsan-node (default: the node's own default, one
+    /// worker per core).
+    #[arg(long)]
+    node_threads: Option<usize>,
+}
+
 #[derive(Subcommand, Debug)]
 enum Cmd {
     /// fio 4K randread/randwrite over NBD: vsan-node vs nbdkit vs qemu-nbd.
-    Nbd {
-        /// Seconds per fio run.
-        #[arg(long, default_value_t = 20)]
-        seconds: u32,
-        /// Rounds (each round runs every server once per workload, in rotating order).
-        #[arg(long, default_value_t = 1)]
-        rounds: u32,
-        /// Size of the exported file in MiB.
-        #[arg(long, default_value_t = 1024)]
-        size_mib: u64,
-        /// fio iodepth.
-        #[arg(long, default_value_t = 32)]
-        iodepth: u32,
-        /// Work directory (default: target/vsan-bench).
-        #[arg(long)]
-        work_dir: Option<PathBuf>,
-        /// Path of vsan-node (default: next to this binary).
-        #[arg(long)]
-        vsan_node: Option<PathBuf>,
-        /// Measure a mirrored disk (two vsan-node processes on this machine, node 1
-        /// exporting) against nbdkit on one plain file, instead of the three servers.
-        #[arg(long)]
-        mirror: bool,
-    },
+    Nbd(NbdArgs),
     /// QD1 4 KiB write latency: a local file, the same kind of file mirrored over TCP
     /// loopback, and a bare TCP ping-pong of the same sizes, in one run.
     Latency {
@@ -106,17 +114,7 @@ fn median(v: &[f64]) -> f64 {
 fn main() -> ExitCode {
     let args = Args::parse();
     let result = match args.cmd {
-        Cmd::Nbd {
-            seconds,
-            rounds,
-            size_mib,
-            iodepth,
-            work_dir,
-            vsan_node,
-            mirror,
-        } => nbd_bench(
-            seconds, rounds, size_mib, iodepth, work_dir, vsan_node, mirror,
-        ),
+        Cmd::Nbd(args) => nbd_bench(args),
         Cmd::Latency {
             count,
             rounds,
@@ -230,6 +228,7 @@ fn start(
     image: &Path,
     size: u64,
     vsan_node: &Path,
+    node_threads: Option<usize>,
 ) -> Result<(Running, PathBuf), BoxError> {
     let sock = dir.join(format!("{}.sock", kind.name().replace(' ', "-")));
     let _ = std::fs::remove_file(&sock);
@@ -261,6 +260,7 @@ fn start(
                 std::fs::copy(image, &peer_image)?;
             }
             let port = free_port()?;
+            let threads = node_threads.map_or(String::new(), |n| format!("threads = {n}\n"));
             let disk = |peer: u32, path: &Path, nbd: &str| {
                 format!(
                     "[[peer]]\nid = {peer}\naddress = \"127.0.0.1:{port}\"\n\n[[disk]]\nname = \"bench\"\nsize = {size}\npath = {:?}\npeer = {peer}\n{nbd}",
@@ -271,7 +271,7 @@ fn start(
             std::fs::write(
                 &cfg2,
                 format!(
-                    "[node]\nid = 2\ndata_dir = {:?}\nlisten = \"127.0.0.1:{port}\"\n\n{}",
+                    "[node]\nid = 2\ndata_dir = {:?}\nlisten = \"127.0.0.1:{port}\"\n{threads}\n{}",
                     dir.display().to_string(),
                     disk(1, &peer_image, "")
                 ),
@@ -288,7 +288,7 @@ fn start(
             std::fs::write(
                 &cfg1,
                 format!(
-                    "[node]\nid = 1\ndata_dir = {:?}\n\n{}",
+                    "[node]\nid = 1\ndata_dir = {:?}\n{threads}\n{}",
                     dir.display().to_string(),
                     disk(2, image, &format!("nbd = \"unix:{}\"\n", sock.display()))
                 ),
@@ -360,15 +360,17 @@ fn fio(
     Ok((iops, p50, p99))
 }
 
-fn nbd_bench(
-    seconds: u32,
-    rounds: u32,
-    size_mib: u64,
-    iodepth: u32,
-    work_dir: Option<PathBuf>,
-    vsan_node: Option<PathBuf>,
-    mirror: bool,
-) -> Result<(), BoxError> {
+fn nbd_bench(args: NbdArgs) -> Result<(), BoxError> {
+    let NbdArgs {
+        seconds,
+        rounds,
+        size_mib,
+        iodepth,
+        work_dir,
+        vsan_node,
+        mirror,
+        node_threads,
+    } = args;
     if !have("fio") {
         return Err("fio is not installed (apt-get install fio)".into());
     }
@@ -429,7 +431,7 @@ fn nbd_bench(
                     std::fs::File::create(&write_image)?.set_len(size)?;
                     &write_image
                 };
-                let (server, sock) = start(k, &dir, image, size, &vsan_node)?;
+                let (server, sock) = start(k, &dir, image, size, &vsan_node, node_threads)?;
                 let (iops, p50, p99) = fio(&sock, w, seconds, iodepth, size)?;
                 drop(server);
                 println!(
