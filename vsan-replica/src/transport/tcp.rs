@@ -430,43 +430,7 @@ impl TxShared {
     /// Queues `frame`, or writes it at once when the socket is idle. Returns whether the
     /// queue is now above the limit.
     fn enqueue(&self, frame: Frame) -> Result<bool> {
-        let mut st = self.state.lock();
-        st.check_open(&self.peer)?;
-        if st.writer != Writer::Idle {
-            st.push(frame);
-            return Ok(st.bytes > self.limit);
-        }
-        // Idle means the queue is empty: this frame is next on the wire.
-        st.writer = Writer::Inline;
-        drop(st);
-        let written = write_now(&self.stream, &frame);
-        let mut st = self.state.lock();
-        match written {
-            Ok(n) if n == frame.len() => {}
-            Ok(n) => {
-                // Frames queued meanwhile go after this one.
-                st.bytes += frame.len() - n;
-                st.queue.push_front(frame);
-                st.front_written = n;
-            }
-            Err(e) => {
-                st.writer = Writer::Idle;
-                let err = st.fail(&self.peer, e);
-                drop(st);
-                self.progress.notify_waiters();
-                return Err(err);
-            }
-        }
-        if st.queue.is_empty() {
-            st.writer = Writer::Idle;
-            if st.closing {
-                self.progress.notify_waiters();
-            }
-        } else {
-            st.writer = Writer::Task;
-            self.work.notify_one();
-        }
-        Ok(st.bytes > self.limit)
+        self.enqueue_many(vec![frame])
     }
 
     /// Queues `frames` in order, writing as many as the socket takes at once when it is
@@ -481,6 +445,7 @@ impl TxShared {
             }
             return Ok(st.bytes > self.limit);
         }
+        // Idle means the queue is empty: these frames are next on the wire.
         st.writer = Writer::Inline;
         drop(st);
         let written = write_now_many(&self.stream, &frames);
@@ -543,27 +508,6 @@ impl TxShared {
     fn shutdown_write(&self) -> io::Result<()> {
         SockRef::from(&*self.stream).shutdown(Shutdown::Write)
     }
-}
-
-/// Writes as much of `frame` as the socket takes without waiting.
-fn write_now(stream: &TcpStream, frame: &Frame) -> io::Result<usize> {
-    let mut done = 0;
-    while done < frame.len() {
-        let mut parts = [Bytes::new(), Bytes::new()];
-        let count = unwritten(frame, done, &mut parts);
-        let slices = [IoSlice::new(&parts[0]), IoSlice::new(&parts[1])];
-        let sent = stream.try_io(Interest::WRITABLE, || {
-            SockRef::from(stream).send_vectored_with_flags(&slices[..count], SEND_FLAGS)
-        });
-        match sent {
-            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-            Ok(n) => done += n,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(done)
 }
 
 /// Writes as much of `frames` (in order) as the socket takes without waiting, up to 64
