@@ -841,33 +841,7 @@ async fn peer_stopped_writes_complete_degraded_and_reconnect_is_refused() {
     accept.abort();
     let _ = within("accept loop to stop", accept).await;
     drop(d2);
-    let lost = Instant::now();
-    let s = wait_for_within(PEER_TIMEOUT + LOSS_MARGIN, &d1, "node 1 degraded", |s| {
-        s.link == LinkState::Degraded
-    })
-    .await;
-    eprintln!(
-        "node 1 degraded {:?} after node 2 stopped: {s:?}",
-        lost.elapsed()
-    );
-    sleep(Duration::from_millis(300)).await;
-    let reports = writers.stop(PEER_TIMEOUT + LOSS_MARGIN).await;
-    let (writes, max_latency) = totals(&reports);
-    assert!(
-        writes[0] > 0 && writes[1] > 0,
-        "writes before/after the loss: {writes:?}"
-    );
-    assert!(
-        max_latency <= PEER_TIMEOUT + LOSS_MARGIN,
-        "a write took {max_latency:?}"
-    );
-    let s = d1.status();
-    assert!(
-        s.link == LinkState::Degraded && s.diverged && s.last_problem.is_some(),
-        "node 1: {s:?}"
-    );
-    verify(&d1, &reports, "reads through node 1 (degraded)").await;
-    verify(&*m1, &reports, "node 1's replica").await;
+    writes_survive_the_loss(&d1, &m1, writers, "after node 2 stopped").await;
 
     // Node 2 comes back on the same address with its (stale) replica.
     let d2 = start(config(2, MIB, DISK_ID, PEER_TIMEOUT), m2.clone());
@@ -914,33 +888,7 @@ async fn peer_silent_writes_complete_degraded_within_the_peer_timeout() {
 
     writers.next_phase();
     proxy.blackhole(NewLinks::Close);
-    let lost = Instant::now();
-    let s = wait_for_within(PEER_TIMEOUT + LOSS_MARGIN, &d1, "node 1 degraded", |s| {
-        s.link == LinkState::Degraded
-    })
-    .await;
-    eprintln!(
-        "node 1 degraded {:?} after the link went silent: {s:?}",
-        lost.elapsed()
-    );
-    sleep(Duration::from_millis(300)).await;
-    let reports = writers.stop(PEER_TIMEOUT + LOSS_MARGIN).await;
-    let (writes, max_latency) = totals(&reports);
-    assert!(
-        writes[0] > 0 && writes[1] > 0,
-        "writes before/after the loss: {writes:?}"
-    );
-    assert!(
-        max_latency <= PEER_TIMEOUT + LOSS_MARGIN,
-        "a write took {max_latency:?}"
-    );
-    let s = d1.status();
-    assert!(
-        s.link == LinkState::Degraded && s.diverged && s.last_problem.is_some(),
-        "node 1: {s:?}"
-    );
-    verify(&d1, &reports, "reads through node 1 (degraded)").await;
-    verify(&*m1, &reports, "node 1's replica").await;
+    writes_survive_the_loss(&d1, &m1, writers, "after the link went silent").await;
     // Node 2 lost node 1 too, and wrote nothing.
     let s = wait_for(&d2, "node 2 degraded", |s| s.link == LinkState::Degraded).await;
     assert!(!s.diverged, "node 2: {s:?}");
@@ -1206,4 +1154,39 @@ async fn writes_complete_alone_when_the_peer_never_comes() {
     .await;
     assert!(problem_contains(&s, "did not connect"), "node 1: {s:?}");
     assert_eq!(read(&d1, 0, 4096).await, x);
+}
+
+/// After the link to node 2 is gone: node 1 turns degraded within the peer timeout plus a
+/// margin, every write (before and after the loss) completed within that bound, and all
+/// of them read back through node 1 and from its replica.
+async fn writes_survive_the_loss(
+    d1: &MirroredDisk,
+    m1: &Arc<MemDevice>,
+    writers: Writers,
+    what: &str,
+) {
+    let lost = Instant::now();
+    let s = wait_for_within(PEER_TIMEOUT + LOSS_MARGIN, d1, "node 1 degraded", |s| {
+        s.link == LinkState::Degraded
+    })
+    .await;
+    eprintln!("node 1 degraded {:?} {what}: {s:?}", lost.elapsed());
+    sleep(Duration::from_millis(300)).await;
+    let reports = writers.stop(PEER_TIMEOUT + LOSS_MARGIN).await;
+    let (writes, max_latency) = totals(&reports);
+    assert!(
+        writes[0] > 0 && writes[1] > 0,
+        "writes before/after the loss: {writes:?}"
+    );
+    assert!(
+        max_latency <= PEER_TIMEOUT + LOSS_MARGIN,
+        "a write took {max_latency:?}"
+    );
+    let s = d1.status();
+    assert!(
+        s.link == LinkState::Degraded && s.diverged && s.last_problem.is_some(),
+        "node 1: {s:?}"
+    );
+    verify(d1, &reports, "reads through node 1 (degraded)").await;
+    verify(&**m1, &reports, "node 1's replica").await;
 }
