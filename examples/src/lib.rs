@@ -3,3 +3,13 @@
 pub mod config;
 pub mod latency;
 pub mod pattern;
+
+/// A work directory `<target>/<name>` beside the running binary's target directory
+/// (`target/release/vsan-demo` -> `target/<name>`), or `target/<name>` relative to the
+/// current directory when that cannot be found.
+pub fn target_work_dir(name: &str) -> std::path::PathBuf {
+    std::env::current_exe()
+        .ok()
+        .and_then(|exe| exe.parent()?.parent().map(|t| t.join(name)))
+        .unwrap_or_else(|| std::path::Path::new("target").join(name))
+}

@@ -253,7 +253,7 @@ async fn run(mut target: Target, steps: &[Step]) -> Result<(), TestCaseError> {
                 same(i, step, got, model.write(offset, &d, fua))?;
             }
             Step::Discard { offset, len } => {
-                let got = kind(target.dev().discard(offset, len).await);
+                let got = kind(target.dev().discard(offset, len, IoFlags::empty()).await);
                 same(i, step, got, model.discard(offset, len))?;
             }
             Step::WriteZeroes { offset, len, fua } => {
@@ -283,7 +283,7 @@ async fn run(mut target: Target, steps: &[Step]) -> Result<(), TestCaseError> {
                         model.check(true, offset, len),
                     ),
                     OpKind::Discard => (
-                        dev.discard(offset, len).await,
+                        dev.discard(offset, len, IoFlags::empty()).await,
                         model.check(false, offset, len),
                     ),
                     _ => (

@@ -77,7 +77,7 @@ async fn check_validation(dev: &dyn BlockDevice) {
         }
     }
     for (what, off, len, want) in bad_inputs(g, false) {
-        let err = dev.discard(off, len).await.unwrap_err();
+        let err = dev.discard(off, len, IoFlags::empty()).await.unwrap_err();
         assert_eq!(err.kind(), want, "discard {what} ({off}, {len}): {err}");
         for flags in [IoFlags::empty(), IoFlags::FUA] {
             let err = dev.write_zeroes(off, len, flags).await.unwrap_err();
@@ -101,7 +101,7 @@ async fn check_validation(dev: &dyn BlockDevice) {
         .unwrap();
     assert_eq!(dev.read(last, bs).await.unwrap(), vec![1; bs]);
     let big = u64::from(g.max_io()) + bs as u64;
-    dev.discard(0, big).await.unwrap();
+    dev.discard(0, big, IoFlags::empty()).await.unwrap();
     assert_eq!(dev.read(0, bs).await.unwrap(), vec![0; bs]);
 }
 
@@ -246,7 +246,7 @@ async fn file_device_discard_and_write_zeroes_read_back_as_zeros() {
     let mut want = image(&dev).await;
     // Block-sized, page-sized and large, unaligned to pages, ranges.
     for (off, len) in [(512, 512), (8192, 4096), (65536 + 1536, 200 * 1024)] {
-        dev.discard(off, len).await.unwrap();
+        dev.discard(off, len, IoFlags::empty()).await.unwrap();
         want[off as usize..(off + len) as usize].fill(0);
     }
     for (off, len, flags) in [
@@ -313,7 +313,7 @@ async fn file_device_direct_io_round_trip() {
     dev.write_zeroes(8192, 4096, IoFlags::empty())
         .await
         .unwrap();
-    dev.discard(1 << 20, 8192).await.unwrap();
+    dev.discard(1 << 20, 8192, IoFlags::empty()).await.unwrap();
     dev.flush().await.unwrap();
     assert_eq!(dev.read(8192, 4096).await.unwrap(), vec![0u8; 4096]);
     assert_eq!(dev.read(1 << 20, 8192).await.unwrap(), vec![0u8; 8192]);
@@ -370,7 +370,9 @@ async fn faulty_power_cut_drops_exactly_the_unflushed_writes() {
     dev.write(12 * BS, Bytes::from(b.clone()), IoFlags::empty())
         .await
         .unwrap();
-    dev.discard(200 * BS, 8 * BS).await.unwrap();
+    dev.discard(200 * BS, 8 * BS, IoFlags::empty())
+        .await
+        .unwrap();
     dev.write_zeroes(0, BS, IoFlags::empty()).await.unwrap();
     assert_eq!(dev.pending_writes(), 4);
     // Before the cut every write is visible.
@@ -525,7 +527,7 @@ async fn faulty_keep_unflushed_keeps_everything() {
     dev.write(0, Bytes::from(data.clone()), IoFlags::empty())
         .await
         .unwrap();
-    dev.discard(4 * BS, 2 * BS).await.unwrap();
+    dev.discard(4 * BS, 2 * BS, IoFlags::empty()).await.unwrap();
     let want = image(&dev).await;
     dev.power_cut(PowerCut::KeepUnflushed).await.unwrap();
     assert_eq!(dev.pending_writes(), 0);
@@ -561,7 +563,13 @@ async fn faulty_injected_errors_have_the_configured_kind_and_change_nothing() {
             let err = dev.write_zeroes(8 * BS, 8 * BS, flags).await.unwrap_err();
             assert_eq!(err.kind(), kind);
         }
-        assert_eq!(dev.discard(0, FSIZE).await.unwrap_err().kind(), kind);
+        assert_eq!(
+            dev.discard(0, FSIZE, IoFlags::empty())
+                .await
+                .unwrap_err()
+                .kind(),
+            kind
+        );
         assert_eq!(dev.read(0, BS as usize).await.unwrap_err().kind(), kind);
         assert_eq!(dev.flush().await.unwrap_err().kind(), kind);
     }
@@ -588,7 +596,7 @@ async fn faulty_injected_errors_have_the_configured_kind_and_change_nothing() {
     );
     assert!(dev.write(0, data.clone(), IoFlags::empty()).await.is_ok());
     assert!(dev.read(8 * BS, BS as usize).await.is_ok());
-    assert!(dev.discard(8 * BS, BS).await.is_ok());
+    assert!(dev.discard(8 * BS, BS, IoFlags::empty()).await.is_ok());
 
     // `after`: two writes pass, the third fails, and a write that failed left no trace
     // even after a flush and a power cut that keeps everything.

@@ -225,13 +225,8 @@ impl BlockDevice for MirroredDisk {
         Box::pin(async move { fut.await.map(drop) })
     }
 
-    fn discard(&self, offset: u64, len: u64) -> IoFuture<'_, ()> {
-        self.write_payload(
-            Op::Discard,
-            offset,
-            WritePayload::Discard { len },
-            IoFlags::empty(),
-        )
+    fn discard(&self, offset: u64, len: u64, flags: IoFlags) -> IoFuture<'_, ()> {
+        self.write_payload(Op::Discard, offset, WritePayload::Discard { len }, flags)
     }
 
     fn write_zeroes(&self, offset: u64, len: u64, flags: IoFlags) -> IoFuture<'_, ()> {
@@ -549,10 +544,7 @@ fn run_local(dev: Arc<dyn BlockDevice>, io: LocalIo) -> LocalFuture {
                 let r = match payload {
                     WritePayload::Data(d) => dev.write(offset, d, flags).await,
                     WritePayload::Zeroes { len } => dev.write_zeroes(offset, len, flags).await,
-                    WritePayload::Discard { len } => match dev.discard(offset, len).await {
-                        Ok(()) if fua => dev.flush().await,
-                        r => r,
-                    },
+                    WritePayload::Discard { len } => dev.discard(offset, len, flags).await,
                 };
                 (op, r.map(|()| None).map_err(kind))
             }

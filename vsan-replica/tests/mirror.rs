@@ -658,7 +658,7 @@ async fn hammer(seed: u64, mixed: bool) {
                     let kind = if mixed { rng.random_range(0..20) } else { 19 };
                     let r = match kind {
                         0 => disk.write_zeroes(offset, len, IoFlags::empty()).await,
-                        1 => disk.discard(offset, len).await,
+                        1 => disk.discard(offset, len, IoFlags::empty()).await,
                         2 => {
                             let data = random_bytes(&mut rng, len as usize);
                             disk.write(offset, data, IoFlags::FUA).await
@@ -749,8 +749,8 @@ async fn trim_and_write_zeroes_are_mirrored() {
     ];
     let ops = async {
         let [z0, z1, z2, z3, z4] = zeroed;
-        p.d1.discard(z0.0, z0.1).await?;
-        p.d2.discard(z1.0, z1.1).await?;
+        p.d1.discard(z0.0, z0.1, IoFlags::empty()).await?;
+        p.d2.discard(z1.0, z1.1, IoFlags::empty()).await?;
         p.d1.write_zeroes(z2.0, z2.1, IoFlags::empty()).await?;
         p.d2.write_zeroes(z3.0, z3.1, IoFlags::FUA).await?;
         p.d1.write_zeroes(z4.0, z4.1, IoFlags::FUA).await

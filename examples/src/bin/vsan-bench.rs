@@ -193,10 +193,7 @@ impl Drop for Running {
 }
 
 fn default_dir() -> PathBuf {
-    exe_dir()
-        .parent()
-        .map(|t| t.join("vsan-bench"))
-        .unwrap_or_default()
+    vsan_examples::target_work_dir("vsan-bench")
 }
 
 /// A free loopback port (bound, read, released: a benchmark tool can live with the race).

@@ -27,6 +27,7 @@ use rand::{Rng, SeedableRng};
 use vsan_core::export::nbd::{Client, Export, Server};
 use vsan_core::{BlockDevice, FileOptions};
 use vsan_examples::pattern::{BLOCK, BlockLog, expected_block};
+use vsan_examples::target_work_dir;
 use vsan_replica::MirroredDisk;
 use vsan_replica::connect::{accept_loop, dial_loop};
 use vsan_replica::protocol::{Config as MirrorConfig, DiskId, LinkState};
@@ -84,17 +85,6 @@ struct Shared {
     bytes_written: AtomicU64,
     mismatches: AtomicU64,
     errors: AtomicU64,
-}
-
-fn work_dir(arg: Option<PathBuf>) -> PathBuf {
-    if let Some(d) = arg {
-        return d;
-    }
-    // target/<profile>/vsan-demo -> target/vsan-demo
-    std::env::current_exe()
-        .ok()
-        .and_then(|exe| exe.parent()?.parent().map(|t| t.join("vsan-demo")))
-        .unwrap_or_else(|| PathBuf::from("target/vsan-demo"))
 }
 
 fn histogram() -> Result<Histogram<u64>, BoxError> {
@@ -160,7 +150,10 @@ async fn start_node(
 }
 
 async fn run(args: Args) -> Result<bool, BoxError> {
-    let dir = work_dir(args.work_dir.clone());
+    let dir = args
+        .work_dir
+        .clone()
+        .unwrap_or_else(|| target_work_dir("vsan-demo"));
     std::fs::create_dir_all(&dir)?;
     let size = args.size_mib << 20;
 

@@ -445,7 +445,9 @@ impl<D: BlockDevice> FaultyDevice<D> {
                 let part = d.slice(from..from + len as usize);
                 self.inner.write(offset, part, IoFlags::empty()).await
             }
-            Payload::Zeroes { discard: true, .. } => self.inner.discard(offset, len).await,
+            Payload::Zeroes { discard: true, .. } => {
+                self.inner.discard(offset, len, IoFlags::empty()).await
+            }
             Payload::Zeroes { discard: false, .. } => {
                 self.inner.write_zeroes(offset, len, IoFlags::empty()).await
             }
@@ -590,10 +592,11 @@ impl<D: BlockDevice> BlockDevice for FaultyDevice<D> {
         })
     }
 
-    fn discard(&self, offset: u64, len: u64) -> IoFuture<'_, ()> {
+    fn discard(&self, offset: u64, len: u64, flags: IoFlags) -> IoFuture<'_, ()> {
         Box::pin(async move {
             self.admit(OpKind::Discard, offset, len).await?;
-            self.cache(offset, Payload::Zeroes { len, discard: true }, false)
+            let payload = Payload::Zeroes { len, discard: true };
+            self.cache(offset, payload, flags.contains(IoFlags::FUA))
                 .await
         })
     }
@@ -641,7 +644,9 @@ mod tests {
         dev.write(BS as u64, block(2), IoFlags::empty())
             .await
             .unwrap();
-        dev.discard(2 * BS as u64, BS as u64).await.unwrap();
+        dev.discard(2 * BS as u64, BS as u64, IoFlags::empty())
+            .await
+            .unwrap();
         let got = dev.read(0, 4 * BS).await.unwrap();
         let want: Vec<u8> = [1u8, 2, 0, 1]
             .iter()
@@ -817,7 +822,10 @@ mod tests {
         dev.set_faults(FaultConfig::new().kind(ErrorKind::Corrupt));
         let err = dev.write(1, block(1), IoFlags::empty()).await.unwrap_err();
         assert_eq!(err.kind(), ErrorKind::InvalidArgument);
-        let err = dev.discard(64 * BS as u64, BS as u64).await.unwrap_err();
+        let err = dev
+            .discard(64 * BS as u64, BS as u64, IoFlags::empty())
+            .await
+            .unwrap_err();
         assert_eq!(err.kind(), ErrorKind::OutOfRange);
         assert_eq!(dev.pending_writes(), 0);
     }

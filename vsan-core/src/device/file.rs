@@ -185,11 +185,6 @@ impl FileDevice {
     pub fn path(&self) -> &Path {
         &self.inner.path
     }
-
-    /// Synchronous flush (`fdatasync`), for callers outside an async context.
-    pub fn flush_blocking(&self) -> Result<()> {
-        self.inner.sync()
-    }
 }
 
 impl Inner {
@@ -327,11 +322,12 @@ impl BlockDevice for FileDevice {
         blocking(&self.inner, |i| i.sync())
     }
 
-    fn discard(&self, offset: u64, len: u64) -> IoFuture<'_, ()> {
+    fn discard(&self, offset: u64, len: u64, flags: IoFlags) -> IoFuture<'_, ()> {
         if let Err(e) = self.inner.geometry.validate(Op::Discard, offset, len) {
             return ready(Err(e));
         }
-        blocking(&self.inner, move |i| i.zero_range(offset, len, true, false))
+        let fua = flags.contains(IoFlags::FUA);
+        blocking(&self.inner, move |i| i.zero_range(offset, len, true, fua))
     }
 
     fn write_zeroes(&self, offset: u64, len: u64, flags: IoFlags) -> IoFuture<'_, ()> {

@@ -108,7 +108,7 @@ impl BlockDevice for MemDevice {
         ready(Ok(()))
     }
 
-    fn discard(&self, offset: u64, len: u64) -> IoFuture<'_, ()> {
+    fn discard(&self, offset: u64, len: u64, _flags: IoFlags) -> IoFuture<'_, ()> {
         ready(self.zero_sync(Op::Discard, offset, len))
     }
 

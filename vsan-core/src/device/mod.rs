@@ -237,8 +237,9 @@ pub trait BlockDevice: Send + Sync {
     /// Make every write that completed before this call durable.
     fn flush(&self) -> IoFuture<'_, ()>;
 
-    /// Deallocate a range; it reads back as zeros afterwards.
-    fn discard(&self, offset: u64, len: u64) -> IoFuture<'_, ()>;
+    /// Deallocate a range; it reads back as zeros afterwards. With [`IoFlags::FUA`] that
+    /// is durable on completion.
+    fn discard(&self, offset: u64, len: u64, flags: IoFlags) -> IoFuture<'_, ()>;
 
     /// Write zeros over a range; with [`IoFlags::FUA`] durable on completion.
     fn write_zeroes(&self, offset: u64, len: u64, flags: IoFlags) -> IoFuture<'_, ()>;

@@ -201,10 +201,10 @@ impl BlockDevice for Held {
             self.inner.flush().await
         })
     }
-    fn discard(&self, offset: u64, len: u64) -> IoFuture<'_, ()> {
+    fn discard(&self, offset: u64, len: u64, flags: IoFlags) -> IoFuture<'_, ()> {
         Box::pin(async move {
             self.enter(offset).await;
-            self.inner.discard(offset, len).await
+            self.inner.discard(offset, len, flags).await
         })
     }
     fn write_zeroes(&self, offset: u64, len: u64, flags: IoFlags) -> IoFuture<'_, ()> {

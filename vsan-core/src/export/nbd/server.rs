@@ -574,21 +574,11 @@ impl<'a> Connection<'a> {
                 is_write: false,
                 fut: dev.flush(),
             },
-            CMD_TRIM => {
-                let fut: IoFuture<'a, ()> = if flags.contains(IoFlags::FUA) {
-                    Box::pin(async move {
-                        dev.discard(req.offset, len).await?;
-                        dev.flush().await
-                    })
-                } else {
-                    dev.discard(req.offset, len)
-                };
-                InFlight::Other {
-                    cookie,
-                    is_write: true,
-                    fut,
-                }
-            }
+            CMD_TRIM => InFlight::Other {
+                cookie,
+                is_write: true,
+                fut: dev.discard(req.offset, len, flags),
+            },
             CMD_WRITE_ZEROES => InFlight::Other {
                 cookie,
                 is_write: true,
