@@ -90,8 +90,13 @@ pub struct NodeSection {
     pub peer_timeout_ms: u64,
     /// gRPC management address (used once the management plane lands).
     pub mgmt: Option<String>,
-    /// Quorum witness address (used once quorum lands).
+    /// Quorum witness address ("host:port", a `vsan-witness`). With it, a node that
+    /// loses its peer serves a mirrored disk only while the witness grants it the disk.
     pub witness: Option<String>,
+    /// What a node without its peer and without quorum does with I/O: "io-error" (the
+    /// default: fail it) or "suspend" (hold it until the peer or quorum returns). Only
+    /// with `witness`.
+    pub quorum: Option<String>,
 }
 
 /// `[[peer]]`.
@@ -164,6 +169,80 @@ pub struct DiskSection {
     pub nbd: Option<String>,
     /// Optional write-back cache.
     pub cache: Option<CacheSection>,
+    /// Bytes per bit of the resync bitmap (a power of two, at least 4 KiB; default
+    /// 64 KiB). Fixed when the disk's metadata is created.
+    pub bitmap_chunk: Option<Size>,
+    /// Resync speed: "dynamic" (the default: full speed while the application is idle,
+    /// one chunk at a time while it has I/O in flight) or a fixed rate per second
+    /// ("40MiB").
+    pub resync_rate: Option<String>,
+    /// Split-brain policy, the same on both nodes: "refuse" (the default),
+    /// "discard-zero-changes", "discard-least-changes" or "discard-node(ID)".
+    pub split_brain: Option<String>,
+}
+
+/// A resync rate as the config gives it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rate {
+    /// Yield to the application.
+    Dynamic,
+    /// Bytes per second.
+    Fixed(u64),
+}
+
+/// A split-brain policy as the config gives it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SplitBrain {
+    /// Refuse and report.
+    Refuse,
+    /// Discard a node without changes.
+    DiscardZeroChanges,
+    /// Discard the node with fewer changes.
+    DiscardLeastChanges,
+    /// Discard this node's data.
+    DiscardNode(u32),
+}
+
+impl DiskSection {
+    /// The resync rate (`resync_rate`).
+    pub fn rate(&self) -> Result<Rate, String> {
+        match self.resync_rate.as_deref().map(str::trim) {
+            None | Some("dynamic") => Ok(Rate::Dynamic),
+            Some(text) => {
+                let per = text.strip_suffix("/s").unwrap_or(text);
+                parse_size::Config::new()
+                    .with_binary()
+                    .parse_size(per.trim())
+                    .ok()
+                    .filter(|n| *n > 0)
+                    .map(Rate::Fixed)
+                    .ok_or_else(|| {
+                        format!("{text:?} is neither \"dynamic\" nor a rate such as \"40MiB\"")
+                    })
+            }
+        }
+    }
+
+    /// The split-brain policy (`split_brain`).
+    pub fn split_brain_policy(&self) -> Result<SplitBrain, String> {
+        let text = self.split_brain.as_deref().unwrap_or("refuse").trim();
+        match text {
+            "refuse" => Ok(SplitBrain::Refuse),
+            "discard-zero-changes" => Ok(SplitBrain::DiscardZeroChanges),
+            "discard-least-changes" => Ok(SplitBrain::DiscardLeastChanges),
+            _ => text
+                .strip_prefix("discard-node(")
+                .and_then(|r| r.strip_suffix(')'))
+                .and_then(|n| n.trim().parse().ok())
+                .map(SplitBrain::DiscardNode)
+                .ok_or_else(|| {
+                    format!(
+                        "{text:?} is not one of refuse, discard-zero-changes, \
+                         discard-least-changes, discard-node(ID)"
+                    )
+                }),
+        }
+    }
 }
 
 fn default_block_size() -> u32 {
@@ -260,6 +339,28 @@ impl Config {
                 )
             })?;
         }
+        match (self.node.quorum.as_deref(), &self.node.witness) {
+            (None | Some("io-error") | Some("suspend"), _) if self.node.witness.is_some() => {}
+            (None, None) => {}
+            (Some(_), None) => {
+                return Err(err("node.quorum", "a quorum policy needs node.witness"));
+            }
+            (Some(q), Some(_)) => {
+                return Err(err(
+                    "node.quorum",
+                    format!("{q:?} is not one of io-error, suspend"),
+                ));
+            }
+            (None, Some(_)) => {}
+        }
+        if let Some(w) = &self.node.witness
+            && w.parse::<SocketAddr>().is_err()
+        {
+            return Err(err(
+                "node.witness",
+                format!("{w:?} is not an address such as \"127.0.0.1:7200\""),
+            ));
+        }
         let mut peer_ids = HashSet::new();
         for (i, p) in self.peer.iter().enumerate() {
             if p.id == self.node.id {
@@ -347,6 +448,20 @@ impl Config {
                     "the write-back cache is not implemented in this build yet",
                 ));
             }
+            if let Some(c) = d.bitmap_chunk {
+                let c = c.0;
+                if !c.is_power_of_two() || c < 4096 || c % u64::from(bs) != 0 {
+                    return Err(err(
+                        key("bitmap_chunk"),
+                        format!(
+                            "{c} is not a power of two of at least 4096 and a multiple of the block size"
+                        ),
+                    ));
+                }
+            }
+            d.rate().map_err(|m| err(key("resync_rate"), m))?;
+            d.split_brain_policy()
+                .map_err(|m| err(key("split_brain"), m))?;
         }
         Ok(())
     }

@@ -17,11 +17,11 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use vsan_core::{BlockDevice, FileOptions, IoFlags};
-use vsan_replica::MirroredDisk;
 use vsan_replica::connect::{accept_loop, dial_loop};
 use vsan_replica::protocol::{Config, DiskId, LinkState};
 use vsan_replica::transport::Transport;
 use vsan_replica::transport::tcp::TcpTransport;
+use vsan_replica::{MirroredDisk, Replica};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -96,15 +96,15 @@ pub fn run(count: u32, rounds: u32, dir: PathBuf) -> Result<(), BoxError> {
         let r1: Arc<dyn BlockDevice> = Arc::new(FileOptions::new().create(SIZE).open(path("m1"))?);
         let r2: Arc<dyn BlockDevice> = Arc::new(FileOptions::new().create(SIZE).open(path("m2"))?);
         let cfg = |me, peer| Config::new(me, peer, DiskId::from_name("lat"), "lat", SIZE, 512);
-        let m1 = MirroredDisk::start(cfg(1, 2), r1)?;
-        let m2 = MirroredDisk::start(cfg(2, 1), r2)?;
+        let m1 = MirroredDisk::start(cfg(1, 2), Replica::with_memory_meta(&cfg(1, 2), r1).await?, None)?;
+        let m2 = MirroredDisk::start(cfg(2, 1), Replica::with_memory_meta(&cfg(2, 1), r2).await?, None)?;
         let transport: Arc<dyn Transport> = Arc::new(TcpTransport::new());
         let listener = transport.listen("127.0.0.1:0").await?;
         let addr = listener.local_addr();
         let acc = tokio::spawn(accept_loop(listener, HashMap::from([("lat".to_string(), m2.clone())])));
         let dial = tokio::spawn(dial_loop(Arc::clone(&transport), addr, m1.clone()));
         let mut st = m1.watch_status();
-        tokio::time::timeout(Duration::from_secs(10), st.wait_for(|s| s.link == LinkState::Connected)).await??;
+        tokio::time::timeout(Duration::from_secs(10), st.wait_for(|s| s.link == LinkState::Connected && !s.syncing && s.dirty_chunks == 0)).await??;
 
         let (mut hl, mut hm, mut hr) = (hist()?, hist()?, hist()?);
         for round in 0..rounds {

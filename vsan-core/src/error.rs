@@ -41,6 +41,9 @@ pub enum ErrorKind {
     NotFound = 11,
     /// The backing store is out of space.
     NoSpace = 12,
+    /// A mirrored disk lost its peer and does not hold quorum (itself plus the witness),
+    /// so it may not serve this request without risking divergent or stale data.
+    NoQuorum = 13,
 }
 
 impl ErrorKind {
@@ -59,6 +62,7 @@ impl ErrorKind {
             ErrorKind::InUse => "in use",
             ErrorKind::NotFound => "not found",
             ErrorKind::NoSpace => "no space",
+            ErrorKind::NoQuorum => "no quorum",
         }
     }
 
@@ -198,5 +202,6 @@ mod tests {
     fn discriminants_are_stable() {
         assert_eq!(ErrorKind::InvalidArgument as u32, 1);
         assert_eq!(ErrorKind::NoSpace as u32, 12);
+        assert_eq!(ErrorKind::NoQuorum as u32, 13);
     }
 }

@@ -14,12 +14,14 @@
 #![deny(missing_docs)]
 
 pub mod connect;
+pub mod meta;
 mod mirror;
 pub mod protocol;
 pub mod transport;
 pub mod wire;
+pub mod witness;
 
-pub use mirror::{MirrorStatus, MirroredDisk};
+pub use mirror::{MirrorStatus, MirroredDisk, Replica, meta_params};
 
 #[cfg(test)]
 mod tests {

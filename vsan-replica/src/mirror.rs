@@ -23,11 +23,13 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{info, warn};
 use vsan_core::{BlockDevice, Error, ErrorKind, Geometry, IoFlags, IoFuture, Op, Result};
 
+use crate::meta::{self, Loaded, MetaParams};
 use crate::protocol::{
-    Config, Endpoint, Event, LinkState, LocalIo, LocalOpId, LocalResult, Message, RequestId,
-    WritePayload,
+    Config, Endpoint, Event, Generations, LinkState, LocalIo, LocalOpId, LocalResult, Message,
+    RequestId, SyncProgress, SyncSummary, WritePayload,
 };
 use crate::transport::{Link, LinkRx, LinkTx};
+use crate::witness::WitnessClient;
 
 type Reply = oneshot::Sender<std::result::Result<Option<Bytes>, ErrorKind>>;
 
@@ -52,6 +54,68 @@ enum Command {
         link: Link,
         first: Option<Message>,
     },
+    /// Start an online verify from this node.
+    Verify {
+        done: oneshot::Sender<std::result::Result<(), String>>,
+    },
+    /// Discard this node's data in a split brain (on the next handshake).
+    DiscardMyData,
+    /// Finish in-flight I/O, mark the metadata clean, stop.
+    Close {
+        done: oneshot::Sender<()>,
+    },
+    /// The witness answered.
+    Quorum(bool),
+}
+
+/// A replica: its data device, its metadata device, and the metadata read from it.
+pub struct Replica {
+    /// The data.
+    pub data: Arc<dyn BlockDevice>,
+    /// The metadata area (`data_dir/<name>.meta` on a node).
+    pub meta: Arc<dyn BlockDevice>,
+    /// What `meta::open` / `meta::create` read or wrote.
+    pub loaded: Loaded,
+}
+
+impl std::fmt::Debug for Replica {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Replica")
+            .field("superblock", &self.loaded.superblock)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Replica {
+    /// A replica over `data` with fresh metadata in memory (tests, demos): it forgets
+    /// everything when the process ends.
+    pub async fn with_memory_meta(cfg: &Config, data: Arc<dyn BlockDevice>) -> Result<Replica> {
+        let params = meta_params(cfg, meta::DEFAULT_CHUNK_SIZE);
+        let layout = meta::Layout::checked(cfg.size, params.chunk_size, cfg.block_size)?;
+        let dev: Arc<dyn BlockDevice> = Arc::new(vsan_core::MemDevice::new(Geometry::new(
+            layout.total_len(),
+            512,
+        )?));
+        let loaded = meta::create(dev.as_ref(), &params).await?;
+        Ok(Replica {
+            data,
+            meta: dev,
+            loaded,
+        })
+    }
+}
+
+/// The metadata parameters that belong to a mirror config.
+pub fn meta_params(cfg: &Config, chunk_size: u64) -> MetaParams {
+    MetaParams {
+        disk_id: cfg.disk_id,
+        disk_name: cfg.disk_name.clone(),
+        node_id: cfg.node_id,
+        peer_id: cfg.peer_id,
+        size: cfg.size,
+        block_size: cfg.block_size,
+        chunk_size,
+    }
 }
 
 /// What a mirrored disk reports about itself.
@@ -67,6 +131,20 @@ pub struct MirrorStatus {
     pub diverged: bool,
     /// The last refusal or loss reason, if any.
     pub last_problem: Option<String>,
+    /// Chunks this replica's bitmap marks out of sync.
+    pub dirty_chunks: u64,
+    /// This replica's generation ids.
+    pub generations: Generations,
+    /// An unfinished sync target: not usable without the peer.
+    pub inconsistent: bool,
+    /// A resync or verify is running (see [`MirroredDisk::sync_progress`]).
+    pub syncing: bool,
+    /// How the last resync or verify ended.
+    pub last_sync: Option<SyncSummary>,
+    /// With a witness: whether this node may serve I/O without its peer.
+    pub quorum: Option<bool>,
+    /// Requests are held until quorum or the peer returns.
+    pub suspended: bool,
 }
 
 /// A two-way synchronously mirrored disk (protocol C). Cheap to clone.
@@ -76,6 +154,7 @@ pub struct MirroredDisk {
     geometry: Geometry,
     commands: mpsc::UnboundedSender<Command>,
     status: watch::Receiver<MirrorStatus>,
+    progress: Arc<parking_lot::Mutex<Option<SyncProgress>>>,
 }
 
 impl std::fmt::Debug for MirroredDisk {
@@ -89,10 +168,16 @@ impl std::fmt::Debug for MirroredDisk {
 }
 
 impl MirroredDisk {
-    /// Mirror `local` with the peer described by `cfg`; spawns the driver on the current
-    /// tokio runtime. The disk serves I/O at once; writes wait for the first link (up to
-    /// `cfg.connect_timeout`) and then go on alone.
-    pub fn start(cfg: Config, local: Arc<dyn BlockDevice>) -> Result<MirroredDisk> {
+    /// Mirror `replica` with the peer described by `cfg`; spawns the driver on the
+    /// current tokio runtime. The disk serves I/O at once; writes wait for the first link
+    /// (up to `cfg.connect_timeout`) and then go on alone (or as quorum says, when
+    /// `witness` is given and `cfg.quorum` is set).
+    pub fn start(
+        cfg: Config,
+        replica: Replica,
+        witness: Option<WitnessClient>,
+    ) -> Result<MirroredDisk> {
+        let local = replica.data;
         let geometry = local.geometry();
         if geometry.size() != cfg.size || geometry.block_size() != cfg.block_size {
             return Err(Error::new(
@@ -107,6 +192,22 @@ impl MirroredDisk {
                 ),
             ));
         }
+        let sb = &replica.loaded.superblock;
+        if sb.size != cfg.size || sb.disk_id != cfg.disk_id || sb.node_id != cfg.node_id {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                format!(
+                    "disk {}: the metadata describes another replica (disk {:?}, node {}, {} bytes)",
+                    cfg.disk_name, sb.disk_name, sb.node_id, sb.size
+                ),
+            ));
+        }
+        if cfg.quorum.is_some() && witness.is_none() {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                format!("disk {}: a quorum policy needs a witness", cfg.disk_name),
+            ));
+        }
         let handle = tokio::runtime::Handle::try_current().map_err(|_| {
             Error::new(
                 ErrorKind::NotSupported,
@@ -115,22 +216,71 @@ impl MirroredDisk {
         })?;
         let name: Arc<str> = cfg.disk_name.as_str().into();
         let (commands, rx) = mpsc::unbounded_channel();
-        let initial = MirrorStatus {
-            link: LinkState::Waiting,
-            link_attached: false,
-            local_detached: false,
-            diverged: false,
-            last_problem: None,
-        };
-        let (status_tx, status) = watch::channel(initial);
-        let endpoint = Endpoint::new(cfg, Instant::now());
-        handle.spawn(Driver::new(endpoint, local, status_tx).run(rx));
+        let endpoint = Endpoint::new(cfg, replica.loaded, Instant::now());
+        let (status_tx, status) = watch::channel(status_of(&endpoint, false, None));
+        let progress = Arc::new(parking_lot::Mutex::new(None));
+        let driver = Driver::new(
+            Arc::clone(&name),
+            endpoint,
+            local,
+            replica.meta,
+            status_tx,
+            Arc::clone(&progress),
+            witness,
+            commands.clone(),
+        );
+        handle.spawn(driver.run(rx));
         Ok(MirroredDisk {
             name,
             geometry,
             commands,
             status,
+            progress,
         })
+    }
+
+    /// Where a running resync or verify stands (percent, bytes left, rate, ETA).
+    pub fn sync_progress(&self) -> Option<SyncProgress> {
+        *self.progress.lock()
+    }
+
+    /// Start an online verify from this node (it must be connected and in sync); chunks
+    /// that differ are repaired from this node. Watch [`MirrorStatus::last_sync`] for
+    /// the result.
+    pub async fn verify(&self) -> Result<()> {
+        let (done, rx) = oneshot::channel();
+        let _ = self.commands.send(Command::Verify { done });
+        match rx.await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(why)) => Err(Error::new(
+                ErrorKind::InvalidArgument,
+                format!("disk {}: cannot verify: {why}", self.name),
+            )),
+            Err(_) => Err(self.stopped()),
+        }
+    }
+
+    /// Resolve a split brain by discarding this node's changes: on the next connection
+    /// this replica becomes the sync target. Drops the current link so the handshake
+    /// runs again.
+    pub fn discard_my_data(&self) {
+        let _ = self.commands.send(Command::DiscardMyData);
+    }
+
+    /// Finish in-flight requests, flush, mark the metadata clean (so a restart does not
+    /// resync the activity log), and stop the driver.
+    pub async fn close(&self) -> Result<()> {
+        let (done, rx) = oneshot::channel();
+        let _ = self.commands.send(Command::Close { done });
+        let _ = rx.await;
+        Ok(())
+    }
+
+    fn stopped(&self) -> Error {
+        Error::new(
+            ErrorKind::Closed,
+            format!("disk {}: mirror driver has stopped", self.name),
+        )
     }
 
     /// The disk's name.
@@ -237,10 +387,36 @@ impl BlockDevice for MirroredDisk {
 type LocalFuture =
     std::pin::Pin<Box<dyn std::future::Future<Output = (LocalOpId, LocalResult)> + Send>>;
 
+fn status_of(ep: &Endpoint, link_attached: bool, last_problem: Option<String>) -> MirrorStatus {
+    MirrorStatus {
+        link: ep.state(),
+        link_attached,
+        local_detached: ep.is_detached(),
+        diverged: ep.is_diverged(),
+        last_problem,
+        dirty_chunks: ep.dirty_chunks(),
+        generations: ep.generations(),
+        inconsistent: ep.is_inconsistent(),
+        syncing: ep.sync_progress(Instant::now()).is_some(),
+        last_sync: ep.last_sync(),
+        quorum: ep.has_quorum(),
+        suspended: ep.quorum_suspended(),
+    }
+}
+
 struct Driver {
+    name: Arc<str>,
     ep: Endpoint,
     local: Arc<dyn BlockDevice>,
+    meta: Arc<dyn BlockDevice>,
     status: watch::Sender<MirrorStatus>,
+    progress: Arc<parking_lot::Mutex<Option<SyncProgress>>>,
+    witness: Option<WitnessClient>,
+    /// For tasks that report back (the witness).
+    commands: mpsc::UnboundedSender<Command>,
+    quorum_task: Option<tokio::task::JoinHandle<()>>,
+    closing: Vec<oneshot::Sender<()>>,
+    last_progress_log: Instant,
     waiters: HashMap<RequestId, Reply>,
     tx: Option<Arc<dyn LinkTx>>,
     rx: Option<Box<dyn LinkRx>>,
@@ -261,15 +437,29 @@ fn send_future(tx: &Arc<dyn LinkTx>, msgs: Vec<Message>) -> SendFuture {
 }
 
 impl Driver {
+    #[allow(clippy::too_many_arguments)]
     fn new(
+        name: Arc<str>,
         ep: Endpoint,
         local: Arc<dyn BlockDevice>,
+        meta: Arc<dyn BlockDevice>,
         status: watch::Sender<MirrorStatus>,
+        progress: Arc<parking_lot::Mutex<Option<SyncProgress>>>,
+        witness: Option<WitnessClient>,
+        commands: mpsc::UnboundedSender<Command>,
     ) -> Driver {
         Driver {
+            name,
             ep,
             local,
+            meta,
             status,
+            progress,
+            witness,
+            commands,
+            quorum_task: None,
+            closing: Vec::new(),
+            last_progress_log: Instant::now(),
             waiters: HashMap::new(),
             tx: None,
             rx: None,
@@ -285,14 +475,20 @@ impl Driver {
         let mut handles_gone = false;
         loop {
             self.drain().await;
-            if handles_gone && self.waiters.is_empty() && self.running.is_empty() {
+            if (handles_gone || !self.closing.is_empty())
+                && self.ep.is_shut_down()
+                && self.running.is_empty()
+            {
                 break;
             }
             let deadline = self.ep.poll_timeout().map(tokio::time::Instant::from_std);
             tokio::select! {
                 cmd = commands.recv(), if !handles_gone => match cmd {
                     Some(cmd) => self.command(cmd),
-                    None => handles_gone = true,
+                    None => {
+                        handles_gone = true;
+                        self.ep.begin_shutdown(Instant::now());
+                    }
                 },
                 msg = recv(&mut self.rx) => match msg {
                     Ok(m) => self.ep.handle_message(Instant::now(), m),
@@ -347,6 +543,12 @@ impl Driver {
             }
         }
         self.retire_link();
+        if let Some(t) = self.quorum_task.take() {
+            t.abort();
+        }
+        for done in self.closing.drain(..) {
+            let _ = done.send(());
+        }
     }
 
     fn command(&mut self, cmd: Command) {
@@ -383,7 +585,70 @@ impl Driver {
                     self.ep.handle_message(now, m);
                 }
             }
+            Command::Verify { done } => {
+                let _ = done.send(self.ep.start_verify(now));
+            }
+            Command::DiscardMyData => {
+                self.ep.discard_my_data();
+                if self.tx.is_some() {
+                    self.drop_link();
+                    self.ep
+                        .handle_disconnected(now, "operator asked to discard this node's data");
+                }
+            }
+            Command::Close { done } => {
+                self.ep.begin_shutdown(now);
+                self.closing.push(done);
+            }
+            Command::Quorum(granted) => self.ep.handle_quorum(now, granted),
         }
+    }
+
+    /// Ask the witness for the disk until it grants it (or the peer is back).
+    fn claim_quorum(&mut self) {
+        let Some(w) = self.witness.clone() else {
+            let _ = self.commands.send(Command::Quorum(false));
+            return;
+        };
+        if let Some(t) = self.quorum_task.take() {
+            t.abort();
+        }
+        let name = self.ep_name();
+        let commands = self.commands.clone();
+        self.quorum_task = Some(tokio::spawn(async move {
+            loop {
+                let granted = match w.claim(&name).await {
+                    Ok(g) => g,
+                    Err(e) => {
+                        warn!(disk = %name, "witness {} unreachable: {e}", w.addr());
+                        false
+                    }
+                };
+                if commands.send(Command::Quorum(granted)).is_err() || granted {
+                    return;
+                }
+                tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            }
+        }));
+    }
+
+    fn release_quorum(&mut self) {
+        if let Some(t) = self.quorum_task.take() {
+            t.abort();
+        }
+        let Some(w) = self.witness.clone() else {
+            return;
+        };
+        let name = self.ep_name();
+        tokio::spawn(async move {
+            if let Err(e) = w.release(&name).await {
+                warn!(disk = %name, "could not release the witness's grant: {e}");
+            }
+        });
+    }
+
+    fn ep_name(&self) -> String {
+        self.name.to_string()
     }
 
     fn drop_link(&mut self) {
@@ -458,7 +723,11 @@ impl Driver {
             self.pump_sends().await;
             while let Some(io) = self.ep.poll_local_io() {
                 moved = true;
-                self.running.push(run_local(Arc::clone(&self.local), io));
+                self.running.push(run_local(
+                    Arc::clone(&self.local),
+                    Arc::clone(&self.meta),
+                    io,
+                ));
             }
             while let Some(ev) = self.ep.poll_event() {
                 moved = true;
@@ -475,19 +744,47 @@ impl Driver {
                         self.retire_link();
                     }
                     Event::LocalDetached { reason } => self.last_problem = Some(reason),
+                    Event::NeedQuorum => self.claim_quorum(),
+                    Event::ReleaseQuorum => self.release_quorum(),
+                    Event::SyncStarted {
+                        role,
+                        kind,
+                        total_bytes,
+                    } => {
+                        info!(disk = %self.name, "{kind} started as {role:?}: {total_bytes} bytes to go through");
+                    }
+                    Event::SyncEnded(summary) => {
+                        info!(disk = %self.name, "{} ended: {summary:?}", summary.kind);
+                    }
                 }
             }
             if !moved {
                 break;
             }
         }
-        let now = MirrorStatus {
-            link: self.ep.state(),
-            link_attached: self.tx.is_some(),
-            local_detached: self.ep.is_detached(),
-            diverged: self.ep.is_diverged(),
-            last_problem: self.last_problem.clone(),
-        };
+        let now_t = Instant::now();
+        let progress = self.ep.sync_progress(now_t);
+        if progress.is_some() || self.progress.lock().is_some() {
+            *self.progress.lock() = progress;
+        }
+        if let Some(p) = progress
+            && now_t.duration_since(self.last_progress_log) >= std::time::Duration::from_secs(1)
+        {
+            self.last_progress_log = now_t;
+            info!(
+                disk = %self.name,
+                "{} {:?}: {:.1}% ({} of {} bytes), {} bytes transferred, {}/s, ETA {:?}",
+                p.kind,
+                p.role,
+                p.percent(),
+                p.done_bytes,
+                p.total_bytes,
+                p.transferred_bytes,
+                p.rate,
+                p.eta
+            );
+        }
+        let now = status_of(&self.ep, self.tx.is_some(), self.last_problem.clone());
         self.status.send_if_modified(|s| {
             if *s != now {
                 *s = now;
@@ -530,7 +827,7 @@ async fn sleep_until(deadline: Option<tokio::time::Instant>) {
     }
 }
 
-fn run_local(dev: Arc<dyn BlockDevice>, io: LocalIo) -> LocalFuture {
+fn run_local(dev: Arc<dyn BlockDevice>, meta: Arc<dyn BlockDevice>, io: LocalIo) -> LocalFuture {
     Box::pin(async move {
         let kind = |e: Error| e.kind();
         match io {
@@ -553,6 +850,23 @@ fn run_local(dev: Arc<dyn BlockDevice>, io: LocalIo) -> LocalFuture {
                 op,
                 dev.read(offset, len as usize).await.map(Some).map_err(kind),
             ),
+            LocalIo::Meta {
+                op,
+                writes,
+                flush_data,
+            } => {
+                let r = async {
+                    if flush_data {
+                        dev.flush().await?;
+                    }
+                    for (offset, bytes) in writes {
+                        meta.write(offset, bytes, IoFlags::empty()).await?;
+                    }
+                    meta.flush().await
+                }
+                .await;
+                (op, r.map(|()| None).map_err(kind))
+            }
         }
     })
 }

@@ -23,9 +23,10 @@ use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::{sleep, timeout};
 use vsan_core::{BlockDevice, FaultConfig, FaultyDevice, Geometry, IoFlags, MemDevice, PowerCut};
 use vsan_replica::connect::{accept_loop, dial_loop};
+use vsan_replica::meta::{self, DEFAULT_CHUNK_SIZE};
 use vsan_replica::protocol::{Config, DiskId, LinkState};
 use vsan_replica::transport::{TcpTransport, Transport};
-use vsan_replica::{MirrorStatus, MirroredDisk};
+use vsan_replica::{MirrorStatus, MirroredDisk, Replica, meta_params};
 
 /// Bound on any single wait that should be quick.
 const WAIT: Duration = Duration::from_secs(10);
@@ -78,8 +79,40 @@ fn config(node: u32, size: u64, disk_id: DiskId, peer_timeout: Duration) -> Conf
     cfg
 }
 
-fn start(cfg: Config, local: Arc<dyn BlockDevice>) -> MirroredDisk {
-    MirroredDisk::start(cfg, local).unwrap()
+/// A mirrored disk over `local` with fresh metadata.
+async fn start(cfg: Config, local: Arc<dyn BlockDevice>) -> MirroredDisk {
+    start_kept(cfg, local).await.0
+}
+
+/// Like `start`, and returns the metadata device to restart the node with.
+async fn start_kept(
+    cfg: Config,
+    local: Arc<dyn BlockDevice>,
+) -> (MirroredDisk, Arc<dyn BlockDevice>) {
+    let replica = Replica::with_memory_meta(&cfg, local).await.unwrap();
+    let meta = Arc::clone(&replica.meta);
+    (MirroredDisk::start(cfg, replica, None).unwrap(), meta)
+}
+
+/// The node restarts with the replica and metadata it had.
+async fn restart(
+    cfg: Config,
+    local: Arc<dyn BlockDevice>,
+    meta_dev: Arc<dyn BlockDevice>,
+) -> MirroredDisk {
+    let params = meta_params(&cfg, DEFAULT_CHUNK_SIZE);
+    let loaded = meta::open(meta_dev.as_ref(), &params).await.unwrap();
+    let replica = Replica {
+        data: local,
+        meta: meta_dev,
+        loaded,
+    };
+    MirroredDisk::start(cfg, replica, None).unwrap()
+}
+
+/// Both nodes connected, no resync running, nothing out of sync.
+fn in_sync(s: &MirrorStatus) -> bool {
+    s.link == LinkState::Connected && !s.syncing && s.dirty_chunks == 0 && !s.inconsistent
 }
 
 /// Node 2's side: listen on `addr` (retrying a little while an old listener on the same
@@ -251,12 +284,13 @@ impl Pair {
         peer_timeout: Duration,
     ) -> Pair {
         let size = l1.geometry().size();
-        let d2 = start(config(2, size, DISK_ID, peer_timeout), l2);
+        let d2 = start(config(2, size, DISK_ID, peer_timeout), l2).await;
         let (addr, _accept) = serve(&d2, "127.0.0.1:0").await;
-        let d1 = start(config(1, size, DISK_ID, peer_timeout), l1);
+        let d1 = start(config(1, size, DISK_ID, peer_timeout), l1).await;
         dial(&d1, &addr);
-        connected(&d1, "node 1").await;
-        connected(&d2, "node 2").await;
+        // Fresh replicas run a (checksum) full sync first.
+        wait_for(&d1, "node 1 in sync", in_sync).await;
+        wait_for(&d2, "node 2 in sync", in_sync).await;
         Pair { d1, d2 }
     }
 }
@@ -820,65 +854,69 @@ async fn local_disk_failure_is_served_through_the_peer() {
 
 // ----- 6. peer lost -----
 
-/// Node 2 stops (no listener, no disk handle) while node 1 writes: every write on node 1
-/// completes, degraded, without hanging; node 1 reads its data back; when node 2 comes
-/// back the reconnect is refused with "resync required" instead of resuming.
+/// Node 2 stops while node 1 writes: node 1's writes complete degraded. Node 2 comes
+/// back with its stale replica and metadata: node 1 is the sync source, only the chunks
+/// written meanwhile travel, and the replicas end byte-identical.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn peer_stopped_writes_complete_degraded_and_reconnect_is_refused() {
+async fn peer_stopped_writes_complete_degraded_and_resync_on_return() {
     let (m1, m2) = (mem(MIB), mem(MIB));
-    let d2 = start(config(2, MIB, DISK_ID, PEER_TIMEOUT), m2.clone());
+    let (d2, meta2) = start_kept(config(2, MIB, DISK_ID, PEER_TIMEOUT), m2.clone()).await;
     let (addr, accept) = serve(&d2, "127.0.0.1:0").await;
-    let d1 = start(config(1, MIB, DISK_ID, PEER_TIMEOUT), m1.clone());
+    let d1 = start(config(1, MIB, DISK_ID, PEER_TIMEOUT), m1.clone()).await;
     dial(&d1, &addr);
-    connected(&d1, "node 1").await;
-    connected(&d2, "node 2").await;
+    wait_for(&d1, "node 1 in sync", in_sync).await;
+    wait_for(&d2, "node 2 in sync", in_sync).await;
 
     let writers = Writers::start(&d1, 8, 64 * KIB, 6, true);
     sleep(Duration::from_millis(200)).await;
 
-    // Stop node 2.
+    // Stop node 2 (cleanly: its metadata is marked clean).
     writers.next_phase();
     accept.abort();
     let _ = within("accept loop to stop", accept).await;
+    within("node 2 to close", d2.close()).await.unwrap();
     drop(d2);
     writes_survive_the_loss(&d1, &m1, writers, "after node 2 stopped").await;
-
-    // Node 2 comes back on the same address with its (stale) replica.
-    let d2 = start(config(2, MIB, DISK_ID, PEER_TIMEOUT), m2.clone());
-    let seen2 = record_seen(&d2, LinkState::Connected);
-    let seen1 = record_seen(&d1, LinkState::Connected);
-    let (_, _accept) = serve(&d2, &addr).await;
-    let resync = |s: &MirrorStatus| problem_contains(s, "resync required");
-    let s1 = wait_for(&d1, "node 1 refuses to resume", resync).await;
-    let s2 = wait_for(&d2, "node 2 refuses to resume", resync).await;
-    eprintln!("refused: node 1 {s1:?}, node 2 {s2:?}");
-
-    // Not silently resumed: a new write on node 1 completes alone and never reaches node 2.
     let x = Bytes::from(vec![0xee; 4096]);
     write(&d1, 900 * KIB, x.clone(), IoFlags::empty()).await;
-    assert_eq!(read(&*m1, 900 * KIB, 4096).await, x);
+    let dirty = d1.status().dirty_chunks;
+    assert!(dirty > 0, "node 1 marked nothing: {:?}", d1.status());
     assert!(
         is_zero(&read(&*m2, 900 * KIB, 4096).await),
         "node 2 got a write after the loss"
     );
+
+    // Node 2 comes back on the same address with its (stale) replica.
+    let d2 = restart(config(2, MIB, DISK_ID, PEER_TIMEOUT), m2.clone(), meta2).await;
+    let (_, _accept) = serve(&d2, &addr).await;
+    let s1 = wait_for(&d1, "node 1 in sync again", in_sync).await;
+    let s2 = wait_for(&d2, "node 2 in sync again", in_sync).await;
+    let sync = s1.last_sync.expect("node 1 ran a resync");
+    eprintln!("resync: {sync:?}; node 2 {s2:?}");
+    assert!(sync.completed);
     assert!(
-        !seen1.load(Ordering::SeqCst) && !seen2.load(Ordering::SeqCst),
-        "a node reconnected"
+        sync.transferred_bytes <= dirty * DEFAULT_CHUNK_SIZE,
+        "sent {} bytes for {dirty} dirty chunks",
+        sync.transferred_bytes
     );
-    assert_eq!(d1.status().link, LinkState::Degraded);
-    assert_ne!(d2.status().link, LinkState::Connected);
+    assert_eq!(s1.generations, s2.generations);
+    assert_same(
+        "replicas after the resync",
+        &image(&*m1).await,
+        &image(&*m2).await,
+    );
 }
 
 /// The link goes silent (a hung peer: nothing answers, nothing closes): node 1's
 /// in-flight and new writes complete degraded within the peer timeout plus a margin;
-/// once node 2 is reachable again, the reconnect is refused with "resync required".
+/// once node 2 is reachable again, the two resync and mirror again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn peer_silent_writes_complete_degraded_within_the_peer_timeout() {
     let (m1, m2) = (mem(MIB), mem(MIB));
-    let d2 = start(config(2, MIB, DISK_ID, PEER_TIMEOUT), m2.clone());
+    let d2 = start(config(2, MIB, DISK_ID, PEER_TIMEOUT), m2.clone()).await;
     let (addr2, _accept) = serve(&d2, "127.0.0.1:0").await;
     let proxy = Proxy::start(&addr2).await;
-    let d1 = start(config(1, MIB, DISK_ID, PEER_TIMEOUT), m1.clone());
+    let d1 = start(config(1, MIB, DISK_ID, PEER_TIMEOUT), m1.clone()).await;
     dial(&d1, &proxy.addr);
     connected(&d1, "node 1").await;
     connected(&d2, "node 2").await;
@@ -893,21 +931,17 @@ async fn peer_silent_writes_complete_degraded_within_the_peer_timeout() {
     let s = wait_for(&d2, "node 2 degraded", |s| s.link == LinkState::Degraded).await;
     assert!(!s.diverged, "node 2: {s:?}");
 
-    let seen1 = record_seen(&d1, LinkState::Connected);
-    let seen2 = record_seen(&d2, LinkState::Connected);
     proxy.restore();
-    let resync = |s: &MirrorStatus| problem_contains(s, "resync required");
-    wait_for(&d1, "node 1 refuses to resume", resync).await;
-    wait_for(&d2, "node 2 refuses to resume", resync).await;
+    let s1 = wait_for(&d1, "node 1 in sync again", in_sync).await;
+    wait_for(&d2, "node 2 in sync again", in_sync).await;
+    assert!(s1.last_sync.is_some_and(|s| s.completed), "{s1:?}");
     let x = Bytes::from(vec![0xee; 4096]);
     write(&d1, 900 * KIB, x.clone(), IoFlags::empty()).await;
-    assert!(
-        is_zero(&read(&*m2, 900 * KIB, 4096).await),
-        "node 2 got a write after the loss"
-    );
-    assert!(
-        !seen1.load(Ordering::SeqCst) && !seen2.load(Ordering::SeqCst),
-        "a node reconnected"
+    assert_eq!(read(&*m2, 900 * KIB, 4096).await, x, "mirrored again");
+    assert_same(
+        "replicas after the resync",
+        &image(&*m1).await,
+        &image(&*m2).await,
     );
 }
 
@@ -917,10 +951,10 @@ async fn peer_silent_writes_complete_degraded_within_the_peer_timeout() {
 async fn silent_peer_burst(writes: u64) {
     const SIZE: u64 = 64 * MIB;
     let (m1, m2) = (mem(SIZE), mem(SIZE));
-    let d2 = start(config(2, SIZE, DISK_ID, PEER_TIMEOUT), m2.clone());
+    let d2 = start(config(2, SIZE, DISK_ID, PEER_TIMEOUT), m2.clone()).await;
     let (addr2, _accept) = serve(&d2, "127.0.0.1:0").await;
     let proxy = Proxy::start(&addr2).await;
-    let d1 = start(config(1, SIZE, DISK_ID, PEER_TIMEOUT), m1.clone());
+    let d1 = start(config(1, SIZE, DISK_ID, PEER_TIMEOUT), m1.clone()).await;
     dial(&d1, &proxy.addr);
     connected(&d1, "node 1").await;
     connected(&d2, "node 2").await;
@@ -983,15 +1017,15 @@ async fn peer_silent_with_a_full_send_queue_does_not_hang_writes() {
 
 /// After a loss, node 1 redials and reaches a peer that accepts the connection but never
 /// answers its Hello: that attempt must be given up (as a handshake that times out), so
-/// that once node 2 is reachable again node 1 gets there and is refused with "resync
-/// required", rather than sitting on the silent link forever.
+/// that once node 2 is reachable again node 1 gets there and resyncs, rather than
+/// sitting on the silent link forever.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn degraded_node_gives_up_a_reconnect_that_never_answers() {
     let (m1, m2) = (mem(MIB), mem(MIB));
-    let d2 = start(config(2, MIB, DISK_ID, PEER_TIMEOUT), m2.clone());
+    let d2 = start(config(2, MIB, DISK_ID, PEER_TIMEOUT), m2.clone()).await;
     let (addr2, _accept) = serve(&d2, "127.0.0.1:0").await;
     let proxy = Proxy::start(&addr2).await;
-    let d1 = start(config(1, MIB, DISK_ID, PEER_TIMEOUT), m1.clone());
+    let d1 = start(config(1, MIB, DISK_ID, PEER_TIMEOUT), m1.clone()).await;
     dial(&d1, &proxy.addr);
     connected(&d1, "node 1").await;
     connected(&d2, "node 2").await;
@@ -1011,8 +1045,8 @@ async fn degraded_node_gives_up_a_reconnect_that_never_answers() {
     wait_for_within(
         limit,
         &d1,
-        "node 1 gives up the silent link and is refused by node 2",
-        |s| problem_contains(s, "resync required"),
+        "node 1 gives up the silent link and resyncs with node 2",
+        in_sync,
     )
     .await;
 }
@@ -1021,10 +1055,10 @@ async fn degraded_node_gives_up_a_reconnect_that_never_answers() {
 
 async fn mismatch(size2: u64, id2: DiskId, expect: &str) {
     let (m1, m2) = (mem(MIB), mem(size2));
-    let d2 = start(config(2, size2, id2, PEER_TIMEOUT), m2);
+    let d2 = start(config(2, size2, id2, PEER_TIMEOUT), m2).await;
     let seen2 = record_seen(&d2, LinkState::Connected);
     let (addr, _accept) = serve(&d2, "127.0.0.1:0").await;
-    let d1 = start(config(1, MIB, DISK_ID, PEER_TIMEOUT), m1);
+    let d1 = start(config(1, MIB, DISK_ID, PEER_TIMEOUT), m1).await;
     let seen1 = record_seen(&d1, LinkState::Connected);
     dial(&d1, &addr);
     let named = |s: &MirrorStatus| problem_contains(s, expect);
@@ -1069,7 +1103,7 @@ async fn peer_with_another_disk_id_is_refused_on_both_nodes() {
 async fn writes_before_the_peer_is_up_wait_and_complete_mirrored() {
     let (m1, m2) = (mem(MIB), mem(MIB));
     let addr = free_addr();
-    let d1 = start(config(1, MIB, DISK_ID, PEER_TIMEOUT), m1.clone());
+    let d1 = start(config(1, MIB, DISK_ID, PEER_TIMEOUT), m1.clone()).await;
     let degraded = record_seen(&d1, LinkState::Degraded);
     dial(&d1, &addr);
     let began = Instant::now();
@@ -1089,7 +1123,7 @@ async fn writes_before_the_peer_is_up_wait_and_complete_mirrored() {
     );
     assert_eq!(d1.status().link, LinkState::Waiting);
 
-    let d2 = start(config(2, MIB, DISK_ID, PEER_TIMEOUT), m2.clone());
+    let d2 = start(config(2, MIB, DISK_ID, PEER_TIMEOUT), m2.clone()).await;
     let (_, _accept) = serve(&d2, &addr).await;
     within_for(CONNECT_TIMEOUT + LOSS_MARGIN, "the waiting writes", async {
         while let Some(r) = set.join_next().await {
@@ -1105,7 +1139,7 @@ async fn writes_before_the_peer_is_up_wait_and_complete_mirrored() {
     );
     let s = d1.status();
     assert!(
-        s.link == LinkState::Connected && !s.diverged,
+        s.link == LinkState::Connected,
         "node 1 completed the writes alone: {s:?}"
     );
     assert!(
@@ -1131,7 +1165,7 @@ async fn writes_before_the_peer_is_up_wait_and_complete_mirrored() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn writes_complete_alone_when_the_peer_never_comes() {
     let m1 = mem(MIB);
-    let d1 = start(config(1, MIB, DISK_ID, PEER_TIMEOUT), m1.clone());
+    let d1 = start(config(1, MIB, DISK_ID, PEER_TIMEOUT), m1.clone()).await;
     dial(&d1, &free_addr());
     let began = Instant::now();
     let x = Bytes::from(vec![0x42; 4096]);

@@ -60,7 +60,17 @@ fn one_of_each() -> Vec<Message> {
             disk_name: "vol0".into(),
             size: 1 << 30,
             block_size: 4096,
-            needs_resync: true,
+            chunk_size: 64 * 1024,
+            generations: vsan_replica::protocol::Generations {
+                current: 9,
+                bitmap: 8,
+                history: [7, 6],
+            },
+            dirty_chunks: 12,
+            crashed: true,
+            inconsistent: false,
+            discard_my_data: true,
+            split_brain_policy: 2,
         }),
         Message::Welcome,
         Message::Refuse {

@@ -7,7 +7,10 @@ use proptest::prelude::*;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use vsan_core::ErrorKind;
-use vsan_replica::protocol::{DiskId, Hello, Message, PROTOCOL_VERSION, Status, WritePayload};
+use vsan_replica::protocol::{
+    DiskId, GEN_JUST_CREATED, Generations, Hello, Message, PROTOCOL_VERSION, SplitBrainPolicy,
+    Status, WritePayload,
+};
 use vsan_replica::wire::{
     self, HEADER_LEN, Kind, MAGIC, MAX_DATA_LEN, MAX_META_LEN, WIRE_VERSION, WireError,
 };
@@ -30,7 +33,17 @@ fn samples() -> Vec<Message> {
             disk_name: "vol0".into(),
             size: 1 << 30,
             block_size: 4096,
-            needs_resync: false,
+            chunk_size: 1 << 20,
+            generations: Generations {
+                current: GEN_JUST_CREATED,
+                bitmap: 0,
+                history: [0, 0],
+            },
+            dirty_chunks: 0,
+            crashed: false,
+            inconsistent: false,
+            discard_my_data: false,
+            split_brain_policy: SplitBrainPolicy::Refuse.code(),
         }),
         Message::Hello(Hello {
             protocol_version: u32::MAX,
@@ -40,7 +53,34 @@ fn samples() -> Vec<Message> {
             disk_name: "disque-é-✓".into(),
             size: u64::MAX,
             block_size: 0,
-            needs_resync: true,
+            chunk_size: u64::MAX,
+            generations: Generations {
+                current: u64::MAX,
+                bitmap: u64::MAX - 1,
+                history: [u64::MAX, 1],
+            },
+            dirty_chunks: u64::MAX,
+            crashed: true,
+            inconsistent: true,
+            discard_my_data: true,
+            split_brain_policy: SplitBrainPolicy::DiscardNode(u32::MAX).code(),
+        }),
+        Message::Hello(Hello {
+            protocol_version: PROTOCOL_VERSION,
+            node_id: 2,
+            peer_id: 1,
+            disk_id: DiskId::from_name("vol1"),
+            disk_name: "vol1".into(),
+            size: 1 << 40,
+            block_size: 512,
+            chunk_size: 64 << 10,
+            generations: Generations::default(),
+            dirty_chunks: 17,
+            crashed: false,
+            inconsistent: true,
+            discard_my_data: false,
+            // Not a policy: the wire carries any number, the protocol judges it.
+            split_brain_policy: u64::MAX,
         }),
         Message::Welcome,
         Message::Refuse {
@@ -123,6 +163,82 @@ fn samples() -> Vec<Message> {
         },
         Message::Ping { id: 19 },
         Message::Pong { id: u64::MAX },
+        Message::SyncBitmap { runs: Vec::new() },
+        Message::SyncBitmap { runs: vec![(0, 1)] },
+        Message::SyncBitmap {
+            // Touching runs, a gap, and a last run that ends exactly at u64::MAX.
+            runs: vec![(0, 3), (3, 1), (100, 1 << 40), (u64::MAX - 5, 5)],
+        },
+        Message::SyncBitmap {
+            runs: vec![(0, u64::MAX)],
+        },
+        Message::SyncData {
+            offset: 0,
+            data: data(4096, 4),
+        },
+        Message::SyncData {
+            offset: u64::MAX - 1,
+            data: data(1, 5),
+        },
+        Message::SyncAck {
+            offset: 0,
+            status: Status::Ok,
+        },
+        Message::SyncAck {
+            offset: u64::MAX,
+            status: Status::Failed(ErrorKind::Io as u32),
+        },
+        Message::SyncAck {
+            offset: 1 << 20,
+            status: Status::Failed(0),
+        },
+        Message::SyncCrc {
+            offset: 0,
+            len: 1,
+            crc: 0,
+            verify: false,
+        },
+        Message::SyncCrc {
+            offset: u64::MAX - u64::from(u32::MAX),
+            len: u32::MAX,
+            crc: u32::MAX,
+            verify: true,
+        },
+        Message::SyncCrcReply {
+            offset: 0,
+            equal: false,
+            verify: false,
+        },
+        Message::SyncCrcReply {
+            offset: u64::MAX,
+            equal: true,
+            verify: true,
+        },
+        Message::SyncCrcReply {
+            offset: 4096,
+            equal: false,
+            verify: true,
+        },
+        Message::SyncCheckpoint { id: 0 },
+        Message::SyncCheckpoint { id: u64::MAX },
+        Message::SyncCheckpointAck {
+            id: 20,
+            status: Status::Ok,
+        },
+        Message::SyncCheckpointAck {
+            id: u64::MAX,
+            status: Status::Failed(u32::MAX),
+        },
+        Message::SyncDone {
+            generations: Generations::default(),
+        },
+        Message::SyncDone {
+            generations: Generations {
+                current: u64::MAX,
+                bitmap: 0,
+                history: [u64::MAX - 1, u64::MAX - 2],
+            },
+        },
     ]
 }
 
@@ -176,7 +292,7 @@ fn pb_bytes(field: u32, value: &[u8], out: &mut Vec<u8>) {
 fn every_sample_round_trips() {
     let samples = samples();
     let kinds: std::collections::HashSet<Kind> = samples.iter().map(Kind::of).collect();
-    assert_eq!(kinds.len(), 11, "every message kind is sampled");
+    assert_eq!(kinds.len(), 19, "every message kind is sampled");
     for msg in samples {
         let mut buf = frame_bytes(&msg);
         let len = buf.len();
@@ -303,6 +419,18 @@ fn the_largest_frames_are_accepted() {
     let msg = Message::Refuse { reason };
     let mut buf = frame_bytes(&msg);
     assert_eq!(wire::decode(&mut buf).unwrap(), Some(msg));
+    let msg = Message::SyncData {
+        offset: u64::MAX - MAX_DATA_LEN as u64,
+        data: Bytes::from(vec![0xa5; MAX_DATA_LEN]),
+    };
+    let mut buf = frame_bytes(&msg);
+    assert_eq!(wire::decode(&mut buf).unwrap(), Some(msg));
+    let runs: Vec<(u64, u64)> = (0..MAX_DATA_LEN as u64 / 16).map(|i| (2 * i, 1)).collect();
+    let msg = Message::SyncBitmap { runs };
+    let frame = wire::encode(&msg).unwrap();
+    assert_eq!(frame.data().len(), MAX_DATA_LEN);
+    let mut buf = frame_bytes(&msg);
+    assert_eq!(wire::decode(&mut buf).unwrap(), Some(msg));
 }
 
 #[test]
@@ -395,6 +523,52 @@ fn semantically_invalid_messages_are_refused_by_encode_and_decode() {
             status: Status::Failed(3),
             data: Bytes::from_static(b"stale"),
         },
+        Message::SyncData {
+            offset: 0,
+            data: Bytes::new(),
+        },
+        Message::SyncData {
+            offset: u64::MAX,
+            data: Bytes::from_static(b"x"),
+        },
+        Message::SyncData {
+            offset: u64::MAX - 2,
+            data: Bytes::from_static(b"xyz"),
+        },
+        Message::SyncCrc {
+            offset: 0,
+            len: 0,
+            crc: 0,
+            verify: false,
+        },
+        Message::SyncCrc {
+            offset: u64::MAX - 1,
+            len: 2,
+            crc: 0,
+            verify: true,
+        },
+        // An empty run, alone and after a good one.
+        Message::SyncBitmap { runs: vec![(0, 0)] },
+        Message::SyncBitmap {
+            runs: vec![(0, 1), (5, 0)],
+        },
+        // Descending, repeated, overlapping.
+        Message::SyncBitmap {
+            runs: vec![(10, 1), (5, 1)],
+        },
+        Message::SyncBitmap {
+            runs: vec![(5, 1), (5, 1)],
+        },
+        Message::SyncBitmap {
+            runs: vec![(0, 10), (9, 5)],
+        },
+        // Ends past u64::MAX.
+        Message::SyncBitmap {
+            runs: vec![(u64::MAX, 1)],
+        },
+        Message::SyncBitmap {
+            runs: vec![(0, 1), (2, u64::MAX - 1)],
+        },
     ];
     for msg in &invalid {
         assert!(
@@ -439,6 +613,238 @@ fn semantically_invalid_messages_are_refused_by_encode_and_decode() {
         wire::decode(&mut failed_with_data),
         Err(WireError::Invalid { .. })
     ));
+    let mut meta = Vec::new();
+    pb_varint(1, 4096, &mut meta); // offset; no data
+    let mut empty_sync = raw_frame(Kind::SyncData as u8, &meta, &[]);
+    assert!(matches!(
+        wire::decode(&mut empty_sync),
+        Err(WireError::Invalid {
+            kind: Kind::SyncData,
+            ..
+        })
+    ));
+    let mut meta = Vec::new();
+    pb_varint(1, u64::MAX, &mut meta);
+    let mut sync_overflow = raw_frame(Kind::SyncData as u8, &meta, b"ab");
+    assert!(matches!(
+        wire::decode(&mut sync_overflow),
+        Err(WireError::Invalid {
+            kind: Kind::SyncData,
+            ..
+        })
+    ));
+    let mut meta = Vec::new();
+    pb_varint(1, 0, &mut meta);
+    pb_varint(3, 0xdead, &mut meta); // crc; len 0
+    let mut zero_crc = raw_frame(Kind::SyncCrc as u8, &meta, &[]);
+    assert!(matches!(
+        wire::decode(&mut zero_crc),
+        Err(WireError::Invalid {
+            kind: Kind::SyncCrc,
+            ..
+        })
+    ));
+    let mut meta = Vec::new();
+    pb_varint(1, u64::MAX, &mut meta);
+    pb_varint(2, 1, &mut meta);
+    let mut crc_overflow = raw_frame(Kind::SyncCrc as u8, &meta, &[]);
+    assert!(matches!(
+        wire::decode(&mut crc_overflow),
+        Err(WireError::Invalid {
+            kind: Kind::SyncCrc,
+            ..
+        })
+    ));
+    for runs in [
+        &[(0u64, 0u64)][..],
+        &[(10, 1), (5, 1)],
+        &[(0, 10), (9, 5)],
+        &[(u64::MAX, 1)],
+    ] {
+        let mut bitmap = raw_frame(
+            Kind::SyncBitmap as u8,
+            &bitmap_meta(runs.len() as u64),
+            &bitmap_data(runs),
+        );
+        assert!(
+            matches!(
+                wire::decode(&mut bitmap),
+                Err(WireError::Invalid {
+                    kind: Kind::SyncBitmap,
+                    ..
+                })
+            ),
+            "{runs:?}"
+        );
+    }
+}
+
+/// A `SyncBitmap` meta announcing `runs` runs.
+fn bitmap_meta(runs: u64) -> Vec<u8> {
+    let mut meta = Vec::new();
+    pb_varint(1, runs, &mut meta);
+    meta
+}
+
+/// Runs as a `SyncBitmap` data section: little-endian (first, count) pairs.
+fn bitmap_data(runs: &[(u64, u64)]) -> Vec<u8> {
+    runs.iter()
+        .flat_map(|&(first, count)| first.to_le_bytes().into_iter().chain(count.to_le_bytes()))
+        .collect()
+}
+
+#[test]
+fn sync_bitmap_data_is_little_endian_run_pairs() {
+    let runs = vec![(0x0102_0304_0506_0708, 9), (u64::MAX - 1, 1)];
+    let frame = wire::encode(&Message::SyncBitmap { runs: runs.clone() }).unwrap();
+    assert_eq!(&frame.data()[..], &bitmap_data(&runs)[..]);
+    assert_eq!(&frame.data()[..8], &[8, 7, 6, 5, 4, 3, 2, 1]);
+    assert_eq!(&frame.head()[HEADER_LEN..], &bitmap_meta(2)[..]);
+    // A peer's hand-made frame decodes to the same runs.
+    let mut buf = raw_frame(Kind::SyncBitmap as u8, &bitmap_meta(2), &bitmap_data(&runs));
+    assert_eq!(
+        wire::decode(&mut buf),
+        Ok(Some(Message::SyncBitmap { runs }))
+    );
+}
+
+#[test]
+fn a_sync_bitmap_whose_data_disagrees_with_its_run_count_is_refused() {
+    let two = bitmap_data(&[(0, 1), (4, 2)]);
+    for (count, data) in [
+        (1, &two[..]),        // more data than runs
+        (3, &two[..]),        // fewer
+        (2, &two[..31]),      // a partial run
+        (1, &two[..17]),      // one byte over
+        (0, &two[..16]),      // data with no runs
+        (1, &[][..]),         // runs with no data
+        (u64::MAX, &two[..]), // a count whose byte length overflows
+        (u64::MAX / 16 + 1, &[][..]),
+        (1 << 61, &two[..]),
+    ] {
+        let mut buf = raw_frame(Kind::SyncBitmap as u8, &bitmap_meta(count), data);
+        assert!(
+            matches!(
+                wire::decode(&mut buf),
+                Err(WireError::Invalid {
+                    kind: Kind::SyncBitmap,
+                    ..
+                })
+            ),
+            "{count} runs, {} bytes",
+            data.len()
+        );
+        assert!(buf.is_empty(), "the bad frame was consumed");
+    }
+    // No meta at all is zero runs, so no data.
+    let mut empty = raw_frame(Kind::SyncBitmap as u8, &[], &[]);
+    assert_eq!(
+        wire::decode(&mut empty),
+        Ok(Some(Message::SyncBitmap { runs: Vec::new() }))
+    );
+}
+
+#[test]
+fn sync_bitmap_runs_over_the_data_limit_are_refused() {
+    let runs: Vec<(u64, u64)> = (0..MAX_DATA_LEN as u64 / 16 + 1)
+        .map(|i| (2 * i, 1))
+        .collect();
+    let msg = Message::SyncBitmap { runs };
+    assert!(matches!(
+        wire::validate(&msg),
+        Err(WireError::Invalid {
+            kind: Kind::SyncBitmap,
+            ..
+        })
+    ));
+    assert!(matches!(wire::encode(&msg), Err(WireError::Invalid { .. })));
+}
+
+#[test]
+fn frames_without_data_sections_refuse_data() {
+    for kind in [
+        Kind::SyncAck,
+        Kind::SyncCrc,
+        Kind::SyncCrcReply,
+        Kind::SyncCheckpoint,
+        Kind::SyncCheckpointAck,
+        Kind::SyncDone,
+    ] {
+        assert!(!kind.carries_data(), "{kind:?}");
+        let mut buf = raw_frame(kind as u8, &[0x08, 1], b"x");
+        assert_eq!(
+            wire::decode(&mut buf),
+            Err(WireError::UnexpectedSection {
+                kind,
+                section: "data",
+                len: 1
+            })
+        );
+    }
+    assert!(Kind::SyncBitmap.carries_data());
+    assert!(Kind::SyncData.carries_data());
+}
+
+/// Generations as protobuf, with `history` entries given one by one (unpacked).
+fn pb_generations(current: u64, history: &[u64]) -> Vec<u8> {
+    let mut g = Vec::new();
+    pb_varint(1, current, &mut g);
+    for &h in history {
+        pb_varint(3, h, &mut g);
+    }
+    g
+}
+
+#[test]
+fn generations_must_be_present_with_two_history_entries() {
+    let hello = |generations: Option<&[u8]>| {
+        let mut meta = Vec::new();
+        pb_bytes(4, &[1; 16], &mut meta);
+        if let Some(g) = generations {
+            pb_bytes(10, g, &mut meta);
+        }
+        raw_frame(Kind::Hello as u8, &meta, &[])
+    };
+    let done = |generations: Option<&[u8]>| {
+        let mut meta = Vec::new();
+        if let Some(g) = generations {
+            pb_bytes(1, g, &mut meta);
+        }
+        raw_frame(Kind::SyncDone as u8, &meta, &[])
+    };
+    for (frame, kind) in [
+        (&hello as &dyn Fn(Option<&[u8]>) -> BytesMut, Kind::Hello),
+        (&done, Kind::SyncDone),
+    ] {
+        // Unpacked history entries decode like packed ones.
+        let good = pb_generations(9, &[8, 7]);
+        let got = wire::decode(&mut frame(Some(&good))).unwrap().unwrap();
+        let expected = Generations {
+            current: 9,
+            bitmap: 0,
+            history: [8, 7],
+        };
+        match got {
+            Message::Hello(h) => assert_eq!(h.generations, expected),
+            Message::SyncDone { generations } => assert_eq!(generations, expected),
+            other => panic!("{other:?}"),
+        }
+        for bad in [
+            None,
+            Some(pb_generations(9, &[])),
+            Some(pb_generations(9, &[8])),
+            Some(pb_generations(9, &[8, 7, 6])),
+        ] {
+            assert_eq!(
+                wire::decode(&mut frame(bad.as_deref())).map_err(|e| match e {
+                    WireError::Invalid { kind, .. } => Some(kind),
+                    _ => None,
+                }),
+                Err(Some(kind)),
+                "{kind:?} with generations {bad:?}"
+            );
+        }
+    }
 }
 
 #[test]
@@ -573,7 +979,7 @@ fn seeded_random_garbage_never_panics() {
 fn seeded_random_meta_behind_a_valid_crc_never_panics() {
     // Past the crc the meta parser and validation meet arbitrary bytes.
     let mut rng = SmallRng::seed_from_u64(7);
-    let kinds: Vec<u8> = (1..=11).chain([64, 65]).collect();
+    let kinds: Vec<u8> = (1..=19).chain([64, 65]).collect();
     let mut decoded = 0;
     for _ in 0..20_000 {
         let kind = kinds[rng.random_range(0..kinds.len())];
@@ -600,25 +1006,27 @@ fn arb_message() -> impl Strategy<Value = Message> {
         (1..u64::MAX / 2).prop_map(|len| WritePayload::Discard { len }),
     ];
     let hello = (
-        any::<u32>(),
-        any::<u32>(),
-        any::<u32>(),
-        any::<[u8; 16]>(),
-        ".{0,40}",
-        any::<u64>(),
-        any::<u32>(),
-        any::<bool>(),
+        (
+            any::<u32>(),
+            any::<u32>(),
+            any::<u32>(),
+            any::<[u8; 16]>(),
+            ".{0,40}",
+            any::<u64>(),
+            any::<u32>(),
+        ),
+        (
+            any::<u64>(),
+            arb_generations(),
+            any::<u64>(),
+            any::<[bool; 3]>(),
+            any::<u64>(),
+        ),
     )
         .prop_map(
             |(
-                protocol_version,
-                node_id,
-                peer_id,
-                id,
-                disk_name,
-                size,
-                block_size,
-                needs_resync,
+                (protocol_version, node_id, peer_id, id, disk_name, size, block_size),
+                (chunk_size, generations, dirty_chunks, [crashed, inconsistent, discard], sbp),
             )| {
                 Message::Hello(Hello {
                     protocol_version,
@@ -628,10 +1036,28 @@ fn arb_message() -> impl Strategy<Value = Message> {
                     disk_name,
                     size,
                     block_size,
-                    needs_resync,
+                    chunk_size,
+                    generations,
+                    dirty_chunks,
+                    crashed,
+                    inconsistent,
+                    discard_my_data: discard,
+                    split_brain_policy: sbp,
                 })
             },
         );
+    // Valid runs: each starts past the previous one's end by a gap of 0 or more.
+    let runs = prop::collection::vec((0..1000u64, 1..1000u64), 0..64).prop_map(|steps| {
+        let mut next = 0u64;
+        steps
+            .into_iter()
+            .map(|(gap, count)| {
+                let first = next + gap;
+                next = first + count;
+                (first, count)
+            })
+            .collect::<Vec<_>>()
+    });
     prop_oneof![
         hello,
         Just(Message::Welcome),
@@ -663,7 +1089,41 @@ fn arb_message() -> impl Strategy<Value = Message> {
         }),
         any::<u64>().prop_map(|id| Message::Ping { id }),
         any::<u64>().prop_map(|id| Message::Pong { id }),
+        runs.prop_map(|runs| Message::SyncBitmap { runs }),
+        (0..u64::MAX / 2, data.clone())
+            .prop_map(|(offset, data)| Message::SyncData { offset, data }),
+        (any::<u64>(), arb_status())
+            .prop_map(|(offset, status)| Message::SyncAck { offset, status }),
+        (0..u64::MAX / 2, 1..=u32::MAX, any::<u32>(), any::<bool>()).prop_map(
+            |(offset, len, crc, verify)| Message::SyncCrc {
+                offset,
+                len,
+                crc,
+                verify
+            }
+        ),
+        (any::<u64>(), any::<bool>(), any::<bool>()).prop_map(|(offset, equal, verify)| {
+            Message::SyncCrcReply {
+                offset,
+                equal,
+                verify,
+            }
+        }),
+        any::<u64>().prop_map(|id| Message::SyncCheckpoint { id }),
+        (any::<u64>(), arb_status())
+            .prop_map(|(id, status)| Message::SyncCheckpointAck { id, status }),
+        arb_generations().prop_map(|generations| Message::SyncDone { generations }),
     ]
+}
+
+fn arb_generations() -> impl Strategy<Value = Generations> {
+    (any::<u64>(), any::<u64>(), any::<[u64; 2]>()).prop_map(|(current, bitmap, history)| {
+        Generations {
+            current,
+            bitmap,
+            history,
+        }
+    })
 }
 
 proptest! {

@@ -28,11 +28,11 @@ use vsan_core::export::nbd::{Client, Export, Server};
 use vsan_core::{BlockDevice, FileOptions};
 use vsan_examples::pattern::{BLOCK, BlockLog, expected_block};
 use vsan_examples::target_work_dir;
-use vsan_replica::MirroredDisk;
 use vsan_replica::connect::{accept_loop, dial_loop};
 use vsan_replica::protocol::{Config as MirrorConfig, DiskId, LinkState};
 use vsan_replica::transport::Transport;
 use vsan_replica::transport::tcp::TcpTransport;
+use vsan_replica::{MirroredDisk, Replica};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -128,7 +128,8 @@ async fn start_node(
     let mut cfg = MirrorConfig::new(id, peer, DiskId::from_name("demo"), "demo", size, 512);
     cfg.connect_timeout = Duration::from_secs(10);
     let local: Arc<dyn BlockDevice> = Arc::new(local);
-    let disk = MirroredDisk::start(cfg, Arc::clone(&local))?;
+    let replica = Replica::with_memory_meta(&cfg, Arc::clone(&local)).await?;
+    let disk = MirroredDisk::start(cfg, replica, None)?;
     let server = Server::new(vec![Export::new(
         "demo",
         Arc::new(disk.clone()) as Arc<dyn BlockDevice>,

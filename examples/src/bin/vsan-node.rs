@@ -10,6 +10,20 @@
 //!
 //! Once all listeners are bound it prints one line per disk on stdout,
 //! `ready disk=<name> nbd=<address>`, with the actual port when the config said port 0.
+//!
+//! Mirrored disks keep their metadata (superblock, activity log, resync bitmap) in
+//! `data_dir/<name>.meta`, created with the disk's image and never re-initialised: a
+//! corrupt, truncated or foreign metadata file stops the node with a message (exit 1).
+//! On stdout the node also reports, one line each:
+//! - `sync disk=<name> started kind=<bitmap|checksum|verify> role=<source|target> total=<bytes>`
+//! - `sync disk=<name> progress kind=.. role=.. percent=<p> done=<bytes> total=<bytes> transferred=<bytes> rate=<bytes/s> eta_s=<s>`
+//!   (every second while one runs)
+//! - `sync disk=<name> done|interrupted kind=.. role=.. total=<bytes> done=<bytes> transferred=<bytes> mismatches=<n> elapsed_ms=<ms>`
+//! - `problem disk=<name> <reason>` when a link is refused or lost (a split brain, say).
+//!
+//! Operator actions until the management plane lands: `--discard-my-data NAME` resolves
+//! a split brain by making this node's replica of NAME the sync target on the next
+//! connection; SIGUSR1 starts an online verify of every mirrored disk from this node.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -22,12 +36,16 @@ use tokio::net::{TcpListener, UnixListener};
 use tracing::{error, info, warn};
 use vsan_core::export::nbd::{Export, Server};
 use vsan_core::{BlockDevice, ErrorKind, FileOptions, Geometry, MemDevice};
-use vsan_examples::config::{Backing, Config, DiskSection, NbdAddr};
-use vsan_replica::MirroredDisk;
+use vsan_examples::config::{Backing, Config, DiskSection, NbdAddr, Rate, SplitBrain};
 use vsan_replica::connect::{accept_loop, dial_loop};
-use vsan_replica::protocol::{Config as MirrorConfig, DiskId};
+use vsan_replica::meta::{self, DEFAULT_CHUNK_SIZE};
+use vsan_replica::protocol::{
+    Config as MirrorConfig, DiskId, QuorumPolicy, ResyncRate, SplitBrainPolicy, SyncKind, SyncRole,
+};
 use vsan_replica::transport::Transport;
 use vsan_replica::transport::tcp::TcpTransport;
+use vsan_replica::witness::WitnessClient;
+use vsan_replica::{MirroredDisk, Replica, meta_params};
 
 /// How long shutdown waits for clients to finish their requests.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
@@ -41,6 +59,10 @@ struct Args {
     /// Path of the node configuration (TOML).
     #[arg(long, short)]
     config: PathBuf,
+    /// Resolve a split brain on disk NAME by discarding this node's changes: on the next
+    /// connection this replica becomes the sync target. May be given more than once.
+    #[arg(long, value_name = "NAME")]
+    discard_my_data: Vec<String>,
 }
 
 /// Why the node could not start.
@@ -86,7 +108,7 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    match rt.block_on(run(config)) {
+    match rt.block_on(run(config, args.discard_my_data)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(StartError::Config(msg)) => {
             eprintln!(
@@ -103,14 +125,32 @@ fn main() -> ExitCode {
     }
 }
 
-async fn run(config: Config) -> Result<(), StartError> {
+async fn run(config: Config, discard: Vec<String>) -> Result<(), StartError> {
     let node = &config.node;
     info!(id = node.id, data_dir = %node.data_dir.display(), "vsan-node starting");
-    for (what, v) in [("mgmt", &node.mgmt), ("witness", &node.witness)] {
-        if let Some(v) = v {
-            warn!("node.{what} = {v:?} is accepted but not used yet in this build");
+    if let Some(v) = &node.mgmt {
+        warn!("node.mgmt = {v:?} is accepted but not used yet in this build");
+    }
+    for name in &discard {
+        if !config
+            .disk
+            .iter()
+            .any(|d| &d.name == name && d.peer.is_some())
+        {
+            return Err(StartError::Config(format!(
+                "--discard-my-data {name:?}: no mirrored disk of that name"
+            )));
         }
     }
+    let witness = node
+        .witness
+        .as_ref()
+        .map(|w| WitnessClient::new(w.clone(), node.id));
+    let quorum = match (node.witness.is_some(), node.quorum.as_deref()) {
+        (false, _) => None,
+        (true, Some("suspend")) => Some(QuorumPolicy::Suspend),
+        (true, _) => Some(QuorumPolicy::IoError),
+    };
 
     let mut ready_lines_pre = Vec::new();
     // Bind every listener first: a busy address must refuse the start before any image
@@ -157,6 +197,7 @@ async fn run(config: Config) -> Result<(), StartError> {
     let transport: Arc<dyn Transport> = Arc::new(TcpTransport::new());
     let mut disks = Vec::new();
     let mut mirrored = HashMap::new();
+    let mut mirrors: Vec<MirroredDisk> = Vec::new();
     let mut background = Vec::new();
     for (i, d) in config.disk.iter().enumerate() {
         let local = open_disk(i, d, &node.data_dir)?;
@@ -179,8 +220,33 @@ async fn run(config: Config) -> Result<(), StartError> {
                 );
                 cfg.peer_timeout = Duration::from_millis(node.peer_timeout_ms);
                 cfg.connect_timeout = Duration::from_millis(node.peer_timeout_ms);
-                let disk = MirroredDisk::start(cfg, local)
+                cfg.quorum = quorum;
+                cfg.seed = rand::random();
+                let key = |k: &str| format!("key `disk[{i}].{k}`");
+                cfg.split_brain = match d
+                    .split_brain_policy()
+                    .map_err(|m| StartError::Config(format!("{}: {m}", key("split_brain"))))?
+                {
+                    SplitBrain::Refuse => SplitBrainPolicy::Refuse,
+                    SplitBrain::DiscardZeroChanges => SplitBrainPolicy::DiscardZeroChanges,
+                    SplitBrain::DiscardLeastChanges => SplitBrainPolicy::DiscardLeastChanges,
+                    SplitBrain::DiscardNode(id) => SplitBrainPolicy::DiscardNode(id),
+                };
+                cfg.resync.rate = match d
+                    .rate()
+                    .map_err(|m| StartError::Config(format!("{}: {m}", key("resync_rate"))))?
+                {
+                    Rate::Dynamic => ResyncRate::Dynamic { max: 0 },
+                    Rate::Fixed(r) => ResyncRate::Fixed(r),
+                };
+                let chunk = d.bitmap_chunk.map_or(DEFAULT_CHUNK_SIZE, |c| c.0);
+                let replica = open_replica(d, &node.data_dir, &cfg, chunk, local).await?;
+                let disk = MirroredDisk::start(cfg, replica, witness.clone())
                     .map_err(|e| StartError::Runtime(e.to_string()))?;
+                if discard.contains(&d.name) {
+                    disk.discard_my_data();
+                }
+                background.push(tokio::spawn(report(disk.clone())));
                 if node.id < peer_id {
                     info!(disk = %d.name, peer = peer_id, address = %peer.address,
                         "mirroring: dialing the peer");
@@ -199,6 +265,7 @@ async fn run(config: Config) -> Result<(), StartError> {
                     info!(disk = %d.name, peer = peer_id, "mirroring: waiting for the peer to connect");
                 }
                 mirrored.insert(d.name.clone(), disk.clone());
+                mirrors.push(disk.clone());
                 Arc::new(disk)
             }
         };
@@ -258,7 +325,9 @@ async fn run(config: Config) -> Result<(), StartError> {
         "vsan-node ready"
     );
 
-    wait_for_signal().await.map_err(StartError::Runtime)?;
+    wait_for_signal(&mirrors)
+        .await
+        .map_err(StartError::Runtime)?;
     info!("shutting down: no new connections or requests; finishing requests in flight");
     for server in &servers {
         server.shutdown();
@@ -287,6 +356,13 @@ async fn run(config: Config) -> Result<(), StartError> {
     }
     for task in background {
         task.abort();
+    }
+    for disk in &mirrors {
+        match tokio::time::timeout(DRAIN_TIMEOUT, disk.close()).await {
+            Ok(Ok(())) => info!(disk = disk.name(), "metadata marked clean"),
+            Ok(Err(e)) => warn!(disk = disk.name(), "closing the mirror failed: {e}"),
+            Err(_) => warn!(disk = disk.name(), "closing the mirror timed out"),
+        }
     }
     for path in &sockets {
         let _ = std::fs::remove_file(path);
@@ -359,15 +435,143 @@ async fn bind(addr: &NbdAddr) -> std::io::Result<Listener> {
     }
 }
 
-async fn wait_for_signal() -> Result<(), String> {
+/// Wait for SIGINT or SIGTERM; on SIGUSR1, start an online verify of every mirrored disk.
+async fn wait_for_signal(mirrors: &[MirroredDisk]) -> Result<(), String> {
     use tokio::signal::unix::{SignalKind, signal};
     let mut int =
         signal(SignalKind::interrupt()).map_err(|e| format!("cannot watch SIGINT: {e}"))?;
     let mut term =
         signal(SignalKind::terminate()).map_err(|e| format!("cannot watch SIGTERM: {e}"))?;
-    tokio::select! {
-        _ = int.recv() => info!("SIGINT received"),
-        _ = term.recv() => info!("SIGTERM received"),
+    let mut usr1 =
+        signal(SignalKind::user_defined1()).map_err(|e| format!("cannot watch SIGUSR1: {e}"))?;
+    loop {
+        tokio::select! {
+            _ = int.recv() => { info!("SIGINT received"); return Ok(()) }
+            _ = term.recv() => { info!("SIGTERM received"); return Ok(()) }
+            _ = usr1.recv() => {
+                info!("SIGUSR1 received: starting an online verify of every mirrored disk");
+                for disk in mirrors {
+                    if let Err(e) = disk.verify().await {
+                        warn!(disk = disk.name(), "{e}");
+                        say(&format!("problem disk={} {e}", disk.name()));
+                    }
+                }
+            }
+        }
     }
-    Ok(())
+}
+
+/// One line on stdout; a closed stdout (nobody reads the reports) is not an error.
+fn say(line: &str) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}
+
+fn kind_word(k: SyncKind) -> &'static str {
+    match k {
+        SyncKind::Bitmap => "bitmap",
+        SyncKind::Checksum => "checksum",
+        SyncKind::Verify => "verify",
+    }
+}
+
+fn role_word(r: SyncRole) -> &'static str {
+    match r {
+        SyncRole::Source => "source",
+        SyncRole::Target => "target",
+    }
+}
+
+/// Open (or create) the metadata of a mirrored disk: `data_dir/<name>.meta` for file
+/// images, in memory for RAM disks.
+async fn open_replica(
+    d: &DiskSection,
+    data_dir: &Path,
+    cfg: &MirrorConfig,
+    chunk: u64,
+    local: Arc<dyn BlockDevice>,
+) -> Result<Replica, StartError> {
+    if d.backing == Backing::Mem {
+        return Replica::with_memory_meta(cfg, local)
+            .await
+            .map_err(|e| StartError::Runtime(format!("disk {}: {e}", d.name)));
+    }
+    let path = data_dir.join(format!("{}.meta", d.name));
+    let params = meta_params(cfg, chunk);
+    let (dev, loaded, created) = meta::open_or_create_file(&path, &params)
+        .await
+        .map_err(|e| StartError::Runtime(format!("disk {}: refusing to attach: {e}", d.name)))?;
+    let sb = &loaded.superblock;
+    info!(
+        disk = %d.name,
+        path = %path.display(),
+        current = format_args!("{:016x}", sb.generations.current),
+        dirty_chunks = loaded.bitmap.count(),
+        clean = sb.clean_shutdown,
+        "{}",
+        if created { "metadata created" } else { "metadata opened" }
+    );
+    Ok(Replica {
+        data: local,
+        meta: dev,
+        loaded,
+    })
+}
+
+/// Print a disk's resync progress and problems on stdout (see the module docs).
+async fn report(disk: MirroredDisk) {
+    let name = disk.name().to_string();
+    let mut status = disk.watch_status();
+    let mut last = status.borrow().clone();
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tokio::select! {
+            r = status.changed() => if r.is_err() { return },
+            _ = tick.tick() => {
+                if let Some(p) = disk.sync_progress() {
+                    say(&format!(
+                        "sync disk={name} progress kind={} role={} percent={:.1} done={} total={} transferred={} rate={} eta_s={}",
+                        kind_word(p.kind), role_word(p.role), p.percent(), p.done_bytes, p.total_bytes,
+                        p.transferred_bytes, p.rate, p.eta.map_or(-1, |e| e.as_secs() as i64)
+                    ));
+                }
+                continue;
+            }
+        }
+        let now = status.borrow_and_update().clone();
+        if now.syncing
+            && !last.syncing
+            && let Some(p) = disk.sync_progress()
+        {
+            say(&format!(
+                "sync disk={name} started kind={} role={} total={}",
+                kind_word(p.kind),
+                role_word(p.role),
+                p.total_bytes
+            ));
+        }
+        if now.last_sync != last.last_sync
+            && let Some(s) = now.last_sync
+        {
+            say(&format!(
+                "sync disk={name} {} kind={} role={} total={} done={} transferred={} mismatches={} elapsed_ms={}",
+                if s.completed { "done" } else { "interrupted" },
+                kind_word(s.kind),
+                role_word(s.role),
+                s.total_bytes,
+                s.done_bytes,
+                s.transferred_bytes,
+                s.mismatches,
+                s.elapsed.as_millis()
+            ));
+        }
+        if now.last_problem != last.last_problem
+            && let Some(p) = &now.last_problem
+        {
+            say(&format!("problem disk={name} {p}"));
+        }
+        last = now;
+    }
 }

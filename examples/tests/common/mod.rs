@@ -9,14 +9,15 @@
 // Each test binary uses a different part of this module.
 #![allow(dead_code)]
 
+pub mod proxy;
+
 use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::fmt;
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, mpsc};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -379,6 +380,8 @@ fn describe(cmd: &Command) -> String {
 pub struct Node {
     process: ProcessGuard,
     stderr: Drain,
+    /// Every stdout line so far (the ready lines, then `sync ...` / `problem ...` reports).
+    stdout: Arc<Mutex<Vec<String>>>,
     addrs: HashMap<String, String>,
     /// The replication listener from `ready replication=<addr>`, when it printed one.
     replication: Option<String>,
@@ -424,9 +427,11 @@ impl Node {
             .unwrap_or_else(|e| panic!("cannot start {VSAN_NODE}: {e}"));
         let stdout = child.stdout.take().expect("stdout is piped");
         let stderr = Drain::new(child.stderr.take().expect("stderr is piped"));
+        let lines = Arc::new(Mutex::new(Vec::new()));
         let mut node = Node {
             process: ProcessGuard::new(child, Some(Signal::TERM)),
             stderr,
+            stdout: Arc::clone(&lines),
             addrs: HashMap::new(),
             replication: None,
             config,
@@ -436,9 +441,9 @@ impl Node {
         thread::spawn(move || {
             for line in BufReader::new(stdout).lines() {
                 let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
+                lines.lock().unwrap().push(line.clone());
+                // The receiver is gone once the node is ready; keep collecting.
+                let _ = tx.send(line);
             }
         });
         let deadline = Instant::now() + READY_TIMEOUT;
@@ -520,6 +525,39 @@ impl Node {
     /// Its log so far.
     pub fn log(&self) -> String {
         self.stderr.snapshot()
+    }
+
+    /// Its stdout lines so far.
+    pub fn stdout_lines(&self) -> Vec<String> {
+        self.stdout.lock().unwrap().clone()
+    }
+
+    /// Wait until a stdout line contains every one of `needles`; returns it. Panics
+    /// (showing stdout and the log) after `limit`.
+    pub fn wait_stdout(&self, needles: &[&str], limit: Duration) -> String {
+        self.wait_stdout_after(0, needles, limit)
+    }
+
+    /// Like [`Node::wait_stdout`], looking only at lines after the first `skip`.
+    pub fn wait_stdout_after(&self, skip: usize, needles: &[&str], limit: Duration) -> String {
+        let deadline = Instant::now() + limit;
+        loop {
+            let lines = self.stdout_lines();
+            if let Some(l) = lines
+                .iter()
+                .skip(skip)
+                .find(|l| needles.iter().all(|n| l.contains(n)))
+            {
+                return l.clone();
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no stdout line with {needles:?} within {limit:?}\n--- stdout ---\n{}\n--- log ---\n{}",
+                lines.join("\n"),
+                self.log()
+            );
+            thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// How many lines of the log so far contain `needle`.
@@ -685,4 +723,17 @@ pub fn qemu_io(uri: &str, cmds: &[String]) -> ToolOutput {
         args.push(c.clone());
     }
     run_tool("qemu-io", &args, TOOL_TIMEOUT)
+}
+
+/// The value of `key=<value>` in a report line (`sync disk=vol0 done transferred=123`).
+pub fn field(line: &str, key: &str) -> Option<String> {
+    line.split_whitespace()
+        .find_map(|w| w.strip_prefix(&format!("{key}=")).map(str::to_string))
+}
+
+/// A numeric field of a report line; panics naming the line when it is missing.
+pub fn field_u64(line: &str, key: &str) -> u64 {
+    field(line, key)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no numeric `{key}=` in {line:?}"))
 }

@@ -20,15 +20,23 @@
 //!    ranges of its own writes still awaiting an ack; on the other node the resolver's
 //!    write is applied after its own overlapping write finished locally.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use tracing::{info, warn};
 use vsan_core::ErrorKind;
 
-use super::message::{DiskId, Hello, Message, PROTOCOL_VERSION, Status, WritePayload};
+use super::generations::{Decision, Side, decide};
+use super::message::{
+    DiskId, Generations, Hello, Message, PROTOCOL_VERSION, SplitBrainPolicy, Status, WritePayload,
+};
 use super::ranges::{Range, any_overlap, subtract};
+use crate::meta::{AL_EXTENT_SIZE, AL_SLOTS, Bitmap, Layout, Loaded, Superblock, encode_al};
+
+mod sync;
+
+pub use sync::{SyncKind, SyncProgress, SyncRole, SyncSummary};
 
 /// Static settings of an endpoint.
 #[derive(Debug, Clone)]
@@ -51,10 +59,65 @@ pub struct Config {
     pub ping_interval: Duration,
     /// How long writes wait for a first connection before completing on this node alone.
     pub connect_timeout: Duration,
+    /// What to do in a split brain.
+    pub split_brain: SplitBrainPolicy,
+    /// Resync speed and pacing.
+    pub resync: ResyncConfig,
+    /// Quorum policy when a witness is configured (`None`: no witness, a node that lost
+    /// its peer goes on alone).
+    pub quorum: Option<QuorumPolicy>,
+    /// Seed for the generation ids this node makes (the driver passes a random one; a
+    /// simulation passes a fixed one).
+    pub seed: u64,
+}
+
+/// How fast a resync (or online verify) runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResyncRate {
+    /// At most this many bytes per second, whatever the application does.
+    Fixed(u64),
+    /// As fast as possible (at most `max` bytes per second; 0: no cap) while the
+    /// application is idle; one chunk at a time while it has I/O in flight.
+    Dynamic {
+        /// Cap in bytes per second (0: none).
+        max: u64,
+    },
+}
+
+/// Resync settings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ResyncConfig {
+    /// Pacing.
+    pub rate: ResyncRate,
+    /// Chunks in flight at most.
+    pub window: usize,
+    /// How often progress is made durable on both nodes (a checkpoint); an interrupted
+    /// resync resumes from the last one.
+    pub checkpoint_interval: Duration,
+}
+
+impl Default for ResyncConfig {
+    fn default() -> ResyncConfig {
+        ResyncConfig {
+            rate: ResyncRate::Dynamic { max: 0 },
+            window: 32,
+            checkpoint_interval: Duration::from_secs(1),
+        }
+    }
+}
+
+/// What a node without its peer and without quorum does with I/O.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QuorumPolicy {
+    /// Fail it with [`ErrorKind::NoQuorum`].
+    IoError,
+    /// Hold it until the peer is back or quorum is granted.
+    Suspend,
 }
 
 impl Config {
-    /// A config with the default timeouts (peer 5 s, ping 1 s, first connection 5 s).
+    /// A config with the default timeouts (peer 5 s, ping 1 s, first connection 5 s), no
+    /// witness, split brains refused, dynamic resync rate.
     pub fn new(
         node_id: u32,
         peer_id: u32,
@@ -73,6 +136,10 @@ impl Config {
             peer_timeout: Duration::from_secs(5),
             ping_interval: Duration::from_secs(1),
             connect_timeout: Duration::from_secs(5),
+            split_brain: SplitBrainPolicy::Refuse,
+            resync: ResyncConfig::default(),
+            quorum: None,
+            seed: 0x7673_616e,
         }
     }
 }
@@ -112,6 +179,17 @@ pub enum LocalIo {
         offset: u64,
         /// Length.
         len: u32,
+    },
+    /// Write these blocks of the metadata area, then make them durable. With
+    /// `flush_data`, flush the local replica first (the metadata is about to forget
+    /// writes that must be durable by then).
+    Meta {
+        /// Report back with this id.
+        op: LocalOpId,
+        /// `(offset in the metadata area, bytes)`, block aligned.
+        writes: Vec<(u64, Bytes)>,
+        /// Flush the replica before writing.
+        flush_data: bool,
     },
 }
 
@@ -159,6 +237,22 @@ pub enum Event {
         /// The failure.
         reason: String,
     },
+    /// The peer is gone and a witness is configured: the driver must ask it for the
+    /// disk's grant and report with [`Endpoint::handle_quorum`].
+    NeedQuorum,
+    /// The replicas are in sync again: the driver releases the witness's grant.
+    ReleaseQuorum,
+    /// A resync or verify started.
+    SyncStarted {
+        /// This node's role.
+        role: SyncRole,
+        /// Bitmap, checksum or verify.
+        kind: SyncKind,
+        /// Bytes to go through.
+        total_bytes: u64,
+    },
+    /// A resync or verify ended (finished or interrupted).
+    SyncEnded(SyncSummary),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -189,6 +283,8 @@ struct OwnWrite {
     started: bool,
     local: Local,
     remote: Remote,
+    /// Waiting for its bitmap bits (and generation) to be durable before completing.
+    bits_pending: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -197,21 +293,56 @@ struct OwnFlush {
     remote: Remote,
 }
 
-/// An entry in the apply list: a write being applied to the local replica.
+/// An entry in the apply list: local replica I/O that must be ordered against
+/// overlapping writes (application writes, resync copies, resync reads).
 #[derive(Debug, Clone)]
 struct Apply {
-    source: Source,
+    id: u64,
+    kind: ApplyKind,
     ranges: Vec<Range>,
     started: bool,
     running_ops: usize,
     failed: Option<ErrorKind>,
+    /// Metadata generation that must be durable before it starts.
+    gate: u64,
+    /// Activity-log extents it holds (writes only); `None` while it waits for a slot.
+    extents: Option<Vec<u64>>,
+    /// Read result (resync reads and compares).
+    data: Option<Bytes>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Source {
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum ApplyKind {
     Own(RequestId),
     /// A peer write, by the peer's message id.
     Peer(u64),
+    /// Resync data from the peer for the chunk at `offset`.
+    SyncWrite {
+        offset: u64,
+        data: Bytes,
+    },
+    /// Read a chunk to send it (or its crc).
+    SyncRead {
+        offset: u64,
+        len: u32,
+        mode: sync::ReadMode,
+    },
+    /// Read a chunk to compare it with the peer's crc.
+    SyncCompare {
+        offset: u64,
+        len: u32,
+        crc: u32,
+        verify: bool,
+    },
+}
+
+impl ApplyKind {
+    fn is_write(&self) -> bool {
+        matches!(
+            self,
+            ApplyKind::Own(_) | ApplyKind::Peer(_) | ApplyKind::SyncWrite { .. }
+        )
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -223,17 +354,100 @@ struct PeerWrite {
 
 #[derive(Debug, Clone, Copy)]
 enum OpPurpose {
-    Apply(Source),
+    Apply(u64),
+    Meta,
     OwnFlush(RequestId),
     PeerFlush(u64),
     OwnRead(RequestId),
     PeerRead(u64),
 }
 
+/// Quorum as the endpoint knows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Quorum {
+    /// Not asked (connected, or no witness).
+    Idle,
+    /// Asked, no answer yet.
+    Pending,
+    /// Granted: this node may go on alone.
+    Granted,
+    /// Denied or the witness is unreachable.
+    Denied,
+}
+
+/// What a request may do while the peer is away.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Alone {
+    Allowed,
+    Hold,
+    Fail(ErrorKind),
+}
+
+/// An activity-log slot.
+#[derive(Debug, Clone, Copy)]
+struct AlSlot {
+    /// Metadata generation that made it durable.
+    mgen: u64,
+    /// Apply entries using it.
+    users: u32,
+    /// Last use (for eviction).
+    tick: u64,
+}
+
+/// The metadata as the endpoint keeps it, and what of it still has to be written.
+#[derive(Debug, Clone)]
+struct Meta {
+    layout: Layout,
+    sb: Superblock,
+    al_seq: u64,
+    al: HashMap<u64, AlSlot>,
+    tick: u64,
+    bitmap: Bitmap,
+    dirty_sb: bool,
+    dirty_al: bool,
+    dirty_blocks: BTreeSet<usize>,
+    /// Blocks with bits cleared in memory that are persisted only at a checkpoint.
+    cleared_blocks: BTreeSet<usize>,
+    flush_data: bool,
+    /// Bumped on every change; a change is durable once `persisted` reaches it.
+    requested: u64,
+    persisted: u64,
+    inflight: Option<(LocalOpId, u64)>,
+    failed: bool,
+    /// Deferred replies, sent once `persisted` reaches the generation.
+    waiters: Vec<(u64, MetaWaiter)>,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum MetaWaiter {
+    OwnWrite(RequestId),
+    CheckpointAck(u64),
+    Shutdown,
+}
+
 /// One node's protocol state for one mirrored disk.
 #[derive(Debug, Clone)]
 pub struct Endpoint {
     cfg: Config,
+    meta: Meta,
+    sync: Option<sync::SyncRun>,
+    last_sync: Option<SyncSummary>,
+    /// The Hello this node sent on the current link, and the peer's.
+    sent_hello: Option<Hello>,
+    peer_hello: Option<Hello>,
+    decision: Option<Decision>,
+    /// Own writes wait (not started) while a handshake from degraded mode runs.
+    hold_writes: bool,
+    /// The Hello waits for unmirrored writes in flight to finish.
+    hello_deferred: bool,
+    discard_my_data: bool,
+    quorum: Quorum,
+    held_reads: VecDeque<(RequestId, u64, u32)>,
+    rng: u64,
+    next_apply: u64,
+    last_app_io: Instant,
+    shutting_down: bool,
+    shut_down: bool,
     state: LinkState,
     created: Instant,
     /// We validated the peer's Hello and sent Welcome.
@@ -243,8 +457,6 @@ pub struct Endpoint {
     /// A link is attached and its handshake has not finished (in any state: a degraded
     /// node handshakes too, to learn it must refuse).
     handshaking: bool,
-    /// Data diverged from the peer's (a write completed without it).
-    diverged: bool,
     /// The local replica failed.
     detached: bool,
     last_rx: Instant,
@@ -278,16 +490,92 @@ fn status_of(r: Result<(), ErrorKind>) -> Status {
 }
 
 impl Endpoint {
-    /// A fresh endpoint, not yet connected.
-    pub fn new(cfg: Config, now: Instant) -> Endpoint {
+    /// An endpoint, not yet connected, over the replica metadata `loaded` (read by
+    /// `meta::open` or made by `meta::create`).
+    ///
+    /// When the metadata says the node did not shut down cleanly, the extents of its
+    /// activity log are marked out of sync (they may differ from the peer's). The first
+    /// local operation the endpoint asks for marks the metadata "in use" (not clean);
+    /// no replica write is issued before that is durable.
+    pub fn new(cfg: Config, loaded: Loaded, now: Instant) -> Endpoint {
+        let Loaded {
+            layout,
+            mut superblock,
+            al_seq,
+            al,
+            mut bitmap,
+        } = loaded;
+        if !superblock.clean_shutdown {
+            let mut marked = 0;
+            for extent in &al {
+                let start = extent * AL_EXTENT_SIZE;
+                if start >= layout.size() {
+                    continue;
+                }
+                let len = AL_EXTENT_SIZE.min(layout.size() - start);
+                for c in layout.chunks_of(start, len) {
+                    if bitmap.set(c) {
+                        marked += 1;
+                    }
+                }
+            }
+            if !al.is_empty() {
+                superblock.crashed = true;
+            }
+            warn!(
+                disk = %cfg.disk_name,
+                "not shut down cleanly: {} activity-log extents ({marked} chunks) marked for resync",
+                al.len()
+            );
+        }
+        superblock.clean_shutdown = false;
+        let blocks = if superblock.crashed {
+            layout.bitmap_blocks()
+        } else {
+            0
+        };
+        let meta = Meta {
+            layout,
+            sb: superblock,
+            al_seq,
+            al: HashMap::new(),
+            tick: 0,
+            bitmap,
+            dirty_sb: true,
+            dirty_al: true,
+            dirty_blocks: (0..blocks).collect(),
+            cleared_blocks: BTreeSet::new(),
+            flush_data: false,
+            requested: 1,
+            persisted: 0,
+            inflight: None,
+            failed: false,
+            waiters: Vec::new(),
+        };
+        let rng = cfg.seed ^ 0x9e37_79b9_7f4a_7c15;
         Endpoint {
             cfg,
+            meta,
+            sync: None,
+            last_sync: None,
+            sent_hello: None,
+            peer_hello: None,
+            decision: None,
+            hold_writes: false,
+            hello_deferred: false,
+            discard_my_data: false,
+            quorum: Quorum::Idle,
+            held_reads: VecDeque::new(),
+            rng,
+            next_apply: 1,
+            last_app_io: now,
+            shutting_down: false,
+            shut_down: false,
             state: LinkState::Waiting,
             created: now,
             sent_welcome: false,
             got_welcome: false,
             handshaking: false,
-            diverged: false,
             detached: false,
             last_rx: now,
             last_tx: now,
@@ -319,14 +607,37 @@ impl Endpoint {
         self.detached
     }
 
-    /// Whether this replica has writes the peer lacks (a resync is required).
+    /// Whether this replica's bitmap marks chunks out of sync with the peer (a resync
+    /// is due, or running).
     pub fn is_diverged(&self) -> bool {
-        self.diverged
+        self.meta.bitmap.count() > 0
+    }
+
+    /// Chunks this replica's bitmap marks out of sync.
+    pub fn dirty_chunks(&self) -> u64 {
+        self.meta.bitmap.count()
+    }
+
+    /// This replica's generation ids.
+    pub fn generations(&self) -> Generations {
+        self.meta.sb.generations
+    }
+
+    /// True while this replica is an unfinished sync target (its data is not usable
+    /// alone).
+    pub fn is_inconsistent(&self) -> bool {
+        self.meta.sb.inconsistent
     }
 
     /// Whether this node decides overlapping concurrent writes.
     pub fn is_resolver(&self) -> bool {
         self.cfg.node_id < self.cfg.peer_id
+    }
+
+    /// Whether this node may serve I/O without its peer right now, as far as quorum
+    /// goes (`None`: no witness configured).
+    pub fn has_quorum(&self) -> Option<bool> {
+        self.cfg.quorum.map(|_| self.quorum == Quorum::Granted)
     }
 
     fn request_id(&mut self) -> RequestId {
@@ -347,6 +658,284 @@ impl Endpoint {
         self.transmit.push_back(msg);
     }
 
+    fn random_generation(&mut self) -> u64 {
+        // splitmix64: deterministic for a given seed; never 0 or "just created".
+        loop {
+            self.rng = self.rng.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = self.rng;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^= z >> 31;
+            if z > super::message::GEN_JUST_CREATED {
+                return z;
+            }
+        }
+    }
+
+    // ----- metadata -----
+
+    /// A metadata change was made in memory; returns the generation that makes it
+    /// durable.
+    fn meta_touch(&mut self) -> u64 {
+        self.meta.requested += 1;
+        self.meta.requested
+    }
+
+    fn meta_durable(&self, mgen: u64) -> bool {
+        self.meta.persisted >= mgen
+    }
+
+    /// Queue a metadata write for everything changed, unless one is running.
+    fn issue_meta(&mut self) {
+        let m = &self.meta;
+        if m.inflight.is_some() || m.persisted >= m.requested {
+            return;
+        }
+        if !(m.dirty_sb || m.dirty_al || !m.dirty_blocks.is_empty() || m.flush_data) {
+            // Nothing left to write: what was asked for is durable already.
+            self.meta.persisted = self.meta.requested;
+            return;
+        }
+        let mgen = self.meta.requested;
+        let mut writes = Vec::new();
+        let layout = self.meta.layout;
+        if self.meta.dirty_al {
+            self.meta.al_seq += 1;
+            let mut extents: Vec<u64> = self.meta.al.keys().copied().collect();
+            extents.sort_unstable();
+            writes.push((
+                layout.al_offset(self.meta.al_seq),
+                encode_al(&layout, self.meta.al_seq, &extents),
+            ));
+        }
+        for b in std::mem::take(&mut self.meta.dirty_blocks) {
+            self.meta.cleared_blocks.remove(&b);
+            writes.push((
+                layout.bitmap_offset() + (b * crate::meta::META_BLOCK) as u64,
+                self.meta.bitmap.block_bytes(b),
+            ));
+        }
+        // The superblock last: it is what names the state the rest belongs to.
+        if self.meta.dirty_sb {
+            self.meta.sb.seq += 1;
+            writes.push((
+                layout.superblock_offset(self.meta.sb.seq),
+                self.meta.sb.encode(),
+            ));
+        }
+        let flush_data = self.meta.flush_data;
+        self.meta.dirty_sb = false;
+        self.meta.dirty_al = false;
+        self.meta.flush_data = false;
+        let op = self.op_id(OpPurpose::Meta);
+        self.meta.inflight = Some((op, mgen));
+        self.local_io.push_back(LocalIo::Meta {
+            op,
+            writes,
+            flush_data,
+        });
+    }
+
+    fn meta_done(&mut self, now: Instant, result: LocalResult) {
+        let Some((_, mgen)) = self.meta.inflight.take() else {
+            return;
+        };
+        if let Err(kind) = result {
+            if !self.meta.failed {
+                warn!(disk = %self.cfg.disk_name, "metadata write failed ({kind}): detaching the local replica");
+            }
+            self.meta.failed = true;
+            self.local_failed(kind);
+            // Nothing will be persisted any more: release everything that waits.
+            self.meta.persisted = u64::MAX;
+        } else {
+            self.meta.persisted = self.meta.persisted.max(mgen);
+        }
+        let persisted = self.meta.persisted;
+        let (ready, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut self.meta.waiters)
+            .into_iter()
+            .partition(|(g, _)| *g <= persisted);
+        self.meta.waiters = waiting;
+        for (_, w) in ready {
+            match w {
+                MetaWaiter::OwnWrite(req) => {
+                    if let Some(w) = self.own_writes.get_mut(&req) {
+                        w.bits_pending = false;
+                    }
+                    self.finish_own_write(req);
+                }
+                MetaWaiter::CheckpointAck(id) => {
+                    if self.state == LinkState::Connected {
+                        let status = if self.meta.failed {
+                            Status::Failed(ErrorKind::Io as u32)
+                        } else {
+                            Status::Ok
+                        };
+                        self.send(now, Message::SyncCheckpointAck { id, status });
+                    }
+                }
+                MetaWaiter::Shutdown => self.shut_down = true,
+            }
+        }
+        self.start_ready(now);
+    }
+
+    /// Mark the chunks of `range` out of sync; with `acknowledge`, the write will be
+    /// acknowledged without the peer, so this replica moves to a new generation first
+    /// (once per disconnect). Returns the metadata generation to wait for.
+    fn mark_unmirrored(&mut self, range: Range, acknowledge: bool) -> u64 {
+        let mut changed = false;
+        for c in self.meta.layout.chunks_of(range.start, range.len()) {
+            if self.meta.bitmap.set(c) {
+                let b = Bitmap::block_of(c);
+                if self.meta.cleared_blocks.contains(&b) {
+                    self.meta.flush_data = true;
+                }
+                self.meta.dirty_blocks.insert(b);
+                changed = true;
+            }
+        }
+        if acknowledge && self.meta.sb.generations.bitmap == 0 {
+            let g = &mut self.meta.sb.generations;
+            g.bitmap = g.current;
+            let new = self.random_generation();
+            self.meta.sb.generations.current = new;
+            info!(
+                disk = %self.cfg.disk_name,
+                "first write without the peer: new generation {new:016x} (bitmap generation {:016x})",
+                self.meta.sb.generations.bitmap
+            );
+            self.meta.dirty_sb = true;
+            changed = true;
+        }
+        if changed {
+            self.meta_touch();
+        }
+        // Anything already queued or in flight may hold these bits: wait for all of it.
+        self.meta.requested
+    }
+
+    /// Take activity-log slots for `ranges`; `None` when the log is full of extents
+    /// with writes in flight. Returns the generation that makes them durable.
+    fn al_acquire(&mut self, ranges: &[Range]) -> Option<(Vec<u64>, u64)> {
+        let mut extents: Vec<u64> = Vec::new();
+        for r in ranges {
+            let first = Layout::extent_of(r.start);
+            let last = Layout::extent_of(r.end.saturating_sub(1).max(r.start));
+            for e in first..=last {
+                if !extents.contains(&e) {
+                    extents.push(e);
+                }
+            }
+        }
+        let missing = extents
+            .iter()
+            .filter(|e| !self.meta.al.contains_key(e))
+            .count();
+        let free = AL_SLOTS.saturating_sub(self.meta.al.len());
+        if missing > free {
+            let mut idle: Vec<(u64, u64)> = self
+                .meta
+                .al
+                .iter()
+                .filter(|(e, s)| s.users == 0 && !extents.contains(e))
+                .map(|(e, s)| (s.tick, *e))
+                .collect();
+            if idle.len() < missing - free {
+                return None;
+            }
+            idle.sort_unstable();
+            for (_, e) in idle.into_iter().take(missing - free) {
+                self.meta.al.remove(&e);
+            }
+            // The log forgets these extents: their writes must be durable first.
+            self.meta.flush_data = true;
+            self.meta.dirty_al = true;
+        }
+        let mut gate = 0;
+        let mut added = false;
+        self.meta.tick += 1;
+        let tick = self.meta.tick;
+        let next = self.meta.requested + 1;
+        for e in &extents {
+            let slot = self.meta.al.entry(*e).or_insert_with(|| {
+                added = true;
+                AlSlot {
+                    mgen: next,
+                    users: 0,
+                    tick,
+                }
+            });
+            slot.users += 1;
+            slot.tick = tick;
+            gate = gate.max(slot.mgen);
+        }
+        if added || self.meta.dirty_al {
+            self.meta.dirty_al = true;
+            let g = self.meta_touch();
+            gate = gate.max(g);
+        }
+        Some((extents, gate))
+    }
+
+    fn al_release(&mut self, extents: &[u64]) {
+        for e in extents {
+            if let Some(s) = self.meta.al.get_mut(e) {
+                s.users = s.users.saturating_sub(1);
+            }
+        }
+    }
+
+    /// Clean shutdown: once every request is done, flush the replica, empty the
+    /// activity log and mark the metadata clean. [`is_shut_down`](Self::is_shut_down)
+    /// turns true when that is durable.
+    pub fn begin_shutdown(&mut self, now: Instant) {
+        self.shutting_down = true;
+        self.try_shutdown(now);
+    }
+
+    /// The clean-shutdown state is durable (or the metadata failed).
+    pub fn is_shut_down(&self) -> bool {
+        self.shut_down
+    }
+
+    fn try_shutdown(&mut self, _now: Instant) {
+        if !self.shutting_down || self.shut_down {
+            return;
+        }
+        let busy =
+            !self.own_writes.is_empty()
+                || !self.own_flushes.is_empty()
+                || !self.apply.is_empty()
+                || self.meta.waiters.iter().any(|(_, w)| {
+                    matches!(w, MetaWaiter::OwnWrite(_) | MetaWaiter::CheckpointAck(_))
+                });
+        if busy
+            || self
+                .meta
+                .waiters
+                .iter()
+                .any(|(_, w)| matches!(w, MetaWaiter::Shutdown))
+        {
+            return;
+        }
+        if self.meta.failed || self.detached {
+            self.shut_down = true;
+            return;
+        }
+        self.meta.al.clear();
+        self.meta.dirty_al = true;
+        self.meta.flush_data = true;
+        self.meta.sb.clean_shutdown = true;
+        self.meta.dirty_sb = true;
+        // Bits cleared in memory by a resync are persisted only after a flush: the
+        // flush above is that flush.
+        let cleared = std::mem::take(&mut self.meta.cleared_blocks);
+        self.meta.dirty_blocks.extend(cleared);
+        let mgen = self.meta_touch();
+        self.meta.waiters.push((mgen, MetaWaiter::Shutdown));
+    }
+
     // ----- link -----
 
     /// A link to the peer is up: start the handshake.
@@ -354,11 +943,34 @@ impl Endpoint {
         self.sent_welcome = false;
         self.got_welcome = false;
         self.handshaking = true;
+        self.sent_hello = None;
+        self.peer_hello = None;
+        self.decision = None;
         self.last_rx = now;
         self.transmit.clear();
         if self.state != LinkState::Degraded {
             self.state = LinkState::Handshaking;
+        } else {
+            // Generations must not move while the two sides compare them: new writes
+            // wait, and the Hello waits for writes already going on alone.
+            self.hold_writes = true;
         }
+        self.hello_deferred = true;
+        self.maybe_send_hello(now);
+    }
+
+    fn unmirrored_in_flight(&self) -> bool {
+        self.own_writes
+            .values()
+            .any(|w| w.started && matches!(w.remote, Remote::Skipped))
+    }
+
+    fn maybe_send_hello(&mut self, now: Instant) {
+        if !self.hello_deferred || !self.handshaking || self.unmirrored_in_flight() {
+            return;
+        }
+        self.hello_deferred = false;
+        let sb = &self.meta.sb;
         let hello = Hello {
             protocol_version: PROTOCOL_VERSION,
             node_id: self.cfg.node_id,
@@ -367,23 +979,42 @@ impl Endpoint {
             disk_name: self.cfg.disk_name.clone(),
             size: self.cfg.size,
             block_size: self.cfg.block_size,
-            needs_resync: self.diverged || self.state == LinkState::Degraded,
+            chunk_size: self.meta.layout.chunk_size(),
+            generations: sb.generations,
+            dirty_chunks: self.meta.bitmap.count(),
+            crashed: sb.crashed,
+            inconsistent: sb.inconsistent,
+            discard_my_data: self.discard_my_data,
+            split_brain_policy: self.cfg.split_brain.code(),
         };
+        self.sent_hello = Some(hello.clone());
         self.send(now, Message::Hello(hello));
+        if let Some(peer) = self.peer_hello.take() {
+            self.evaluate_hello(now, peer);
+        }
     }
 
     /// The link is gone (reset, closed, or closed by the driver after an event).
-    pub fn handle_disconnected(&mut self, _now: Instant, reason: &str) {
+    pub fn handle_disconnected(&mut self, now: Instant, reason: &str) {
         self.handshaking = false;
+        self.hello_deferred = false;
         match self.state {
-            LinkState::Connected => self.lose_peer(format!("link lost: {reason}")),
+            LinkState::Connected => self.lose_peer(now, format!("link lost: {reason}")),
             LinkState::Handshaking => {
                 self.state = LinkState::Waiting;
                 // A link that never finished its handshake changes nothing else.
             }
             LinkState::Waiting | LinkState::Degraded => {}
         }
+        self.release_hold(now);
         self.transmit.clear();
+    }
+
+    fn release_hold(&mut self, now: Instant) {
+        if self.hold_writes {
+            self.hold_writes = false;
+            self.start_ready(now);
+        }
     }
 
     fn refuse(&mut self, now: Instant, reason: String) {
@@ -395,15 +1026,17 @@ impl Endpoint {
             },
         );
         self.events.push_back(Event::Refused { reason });
-        self.end_handshake();
+        self.end_handshake(now);
     }
 
     /// The handshake on the current link failed: the driver drops the link.
-    fn end_handshake(&mut self) {
+    fn end_handshake(&mut self, now: Instant) {
         self.handshaking = false;
+        self.hello_deferred = false;
         if self.state == LinkState::Handshaking {
             self.state = LinkState::Waiting;
         }
+        self.release_hold(now);
     }
 
     fn check_hello(&self, h: &Hello) -> Result<(), String> {
@@ -438,33 +1071,67 @@ impl Endpoint {
                 me.disk_name, me.block_size, h.block_size, h.node_id
             ));
         }
-        if self.diverged || self.state == LinkState::Degraded {
+        if h.chunk_size != self.meta.layout.chunk_size() {
             return Err(format!(
-                "resync required: node {} went on with disk {:?} without its peer",
-                me.node_id, me.disk_name
+                "bitmap chunk size mismatch for disk {:?}: {} here, {} on node {}",
+                me.disk_name,
+                self.meta.layout.chunk_size(),
+                h.chunk_size,
+                h.node_id
             ));
         }
-        if h.needs_resync {
+        if h.split_brain_policy != me.split_brain.code() {
+            let theirs = SplitBrainPolicy::from_code(h.split_brain_policy).map_or_else(
+                || format!("code {}", h.split_brain_policy),
+                |p| p.to_string(),
+            );
             return Err(format!(
-                "resync required: node {} went on with disk {:?} without its peer",
-                h.node_id, me.disk_name
+                "split-brain policy mismatch for disk {:?}: {} here, {theirs} on node {}",
+                me.disk_name, me.split_brain, h.node_id
             ));
         }
         Ok(())
+    }
+
+    fn side_of(h: &Hello) -> Side {
+        Side {
+            node_id: h.node_id,
+            generations: h.generations,
+            dirty_chunks: h.dirty_chunks,
+            crashed: h.crashed,
+            inconsistent: h.inconsistent,
+            discard_my_data: h.discard_my_data,
+        }
+    }
+
+    fn evaluate_hello(&mut self, now: Instant, h: Hello) {
+        if let Err(reason) = self.check_hello(&h) {
+            return self.refuse(now, reason);
+        }
+        let Some(mine) = self.sent_hello.as_ref() else {
+            // Our Hello is not out yet: decide when it is.
+            self.peer_hello = Some(h);
+            return;
+        };
+        let decision = decide(
+            &Self::side_of(mine),
+            &Self::side_of(&h),
+            self.cfg.split_brain,
+        );
+        if let Decision::Refuse(reason) = decision {
+            return self.refuse(now, reason);
+        }
+        self.decision = Some(decision);
+        self.sent_welcome = true;
+        self.send(now, Message::Welcome);
+        self.maybe_connected(now);
     }
 
     /// A message from the peer.
     pub fn handle_message(&mut self, now: Instant, msg: Message) {
         self.last_rx = now;
         match msg {
-            Message::Hello(h) => match self.check_hello(&h) {
-                Ok(()) => {
-                    self.sent_welcome = true;
-                    self.send(now, Message::Welcome);
-                    self.maybe_connected(now);
-                }
-                Err(reason) => self.refuse(now, reason),
-            },
+            Message::Hello(h) => self.evaluate_hello(now, h),
             Message::Welcome => {
                 self.got_welcome = true;
                 self.maybe_connected(now);
@@ -472,12 +1139,12 @@ impl Endpoint {
             Message::Refuse { reason } => {
                 warn!(disk = %self.cfg.disk_name, "refused by the peer: {reason}");
                 self.events.push_back(Event::Refused { reason });
-                self.end_handshake();
+                self.end_handshake(now);
             }
             Message::Ping { id } => self.send(now, Message::Pong { id }),
             Message::Pong { .. } => {}
             other if self.state != LinkState::Connected => {
-                self.protocol_violation(format!("{other:?} before the handshake finished"));
+                self.protocol_violation(now, format!("{other:?} before the handshake finished"));
             }
             Message::Write {
                 id,
@@ -492,7 +1159,7 @@ impl Endpoint {
                         w.remote = Remote::Done(status);
                         self.finish_own_write(req);
                     }
-                    _ => self.protocol_violation(format!("ack for unknown write {id}")),
+                    _ => self.protocol_violation(now, format!("ack for unknown write {id}")),
                 }
             }
             Message::Flush { id } => {
@@ -517,7 +1184,7 @@ impl Endpoint {
                         f.remote = Remote::Done(status);
                         self.finish_flush(req);
                     }
-                    _ => self.protocol_violation(format!("ack for unknown flush {id}")),
+                    _ => self.protocol_violation(now, format!("ack for unknown flush {id}")),
                 }
             }
             Message::Read { id, offset, len } => {
@@ -538,7 +1205,7 @@ impl Endpoint {
             Message::ReadReply { id, status, data } => {
                 let req = RequestId(id);
                 if !self.remote_reads.remove(&req) {
-                    return self.protocol_violation(format!("reply for unknown read {id}"));
+                    return self.protocol_violation(now, format!("reply for unknown read {id}"));
                 }
                 let result = match status {
                     Status::Ok => Ok(Some(data)),
@@ -549,18 +1216,26 @@ impl Endpoint {
                     result,
                 });
             }
+            m @ (Message::SyncBitmap { .. }
+            | Message::SyncData { .. }
+            | Message::SyncAck { .. }
+            | Message::SyncCrc { .. }
+            | Message::SyncCrcReply { .. }
+            | Message::SyncCheckpoint { .. }
+            | Message::SyncCheckpointAck { .. }
+            | Message::SyncDone { .. }) => self.sync_message(now, m),
         }
     }
 
-    fn protocol_violation(&mut self, what: String) {
+    fn protocol_violation(&mut self, now: Instant, what: String) {
         warn!(disk = %self.cfg.disk_name, "peer broke the protocol: {what}");
         if self.state == LinkState::Connected {
-            self.lose_peer(format!("protocol violation: {what}"));
+            self.lose_peer(now, format!("protocol violation: {what}"));
         } else {
             self.events.push_back(Event::Refused {
                 reason: format!("protocol violation: {what}"),
             });
-            self.end_handshake();
+            self.end_handshake(now);
         }
     }
 
@@ -568,35 +1243,64 @@ impl Endpoint {
         if !(self.sent_welcome && self.got_welcome) || self.state == LinkState::Connected {
             return;
         }
+        let Some(decision) = self.decision.take() else {
+            return;
+        };
+        if self.sent_hello.as_ref().map(|h| h.generations) != Some(self.meta.sb.generations) {
+            return self.refuse(
+                now,
+                "generations changed during the handshake; reconnecting".into(),
+            );
+        }
         self.state = LinkState::Connected;
         self.handshaking = false;
-        info!(disk = %self.cfg.disk_name, peer = self.cfg.peer_id, "peer connected: mirroring");
+        self.quorum = Quorum::Idle;
+        info!(disk = %self.cfg.disk_name, peer = self.cfg.peer_id, "peer connected: mirroring ({decision:?})");
         self.events.push_back(Event::Connected);
-        // Writes started while waiting for the first connection go out now, in order.
+        // Writes started while waiting for the link go out now, in order.
         while let Some(req) = self.unsent.pop_front() {
             self.send_own_write(now, req);
         }
+        match decision {
+            Decision::InSync => {
+                if self.meta.sb.crashed {
+                    self.meta.sb.crashed = false;
+                    self.meta.dirty_sb = true;
+                    self.meta_touch();
+                }
+                if self.cfg.quorum.is_some() {
+                    self.events.push_back(Event::ReleaseQuorum);
+                }
+            }
+            Decision::Source { full } => self.start_sync(now, SyncRole::Source, full),
+            Decision::Target { full } => self.start_sync(now, SyncRole::Target, full),
+            Decision::Refuse(_) => {}
+        }
+        self.discard_my_data = false;
+        self.release_hold(now);
+        self.run_held_reads(now);
     }
 
-    fn lose_peer(&mut self, reason: String) {
+    fn lose_peer(&mut self, now: Instant, reason: String) {
         warn!(disk = %self.cfg.disk_name, peer = self.cfg.peer_id, "peer lost: {reason}; continuing degraded");
         self.state = LinkState::Degraded;
         self.events.push_back(Event::PeerLost { reason });
         self.transmit.clear();
-        // Everything waiting on the peer completes without it.
-        let waiting: Vec<RequestId> = self
+        self.abort_sync(now, "the link to the peer was lost");
+        if self.cfg.quorum.is_some() && self.quorum != Quorum::Granted {
+            self.quorum = Quorum::Pending;
+            self.events.push_back(Event::NeedQuorum);
+        }
+        // Everything waiting on the peer completes without it (or waits for quorum).
+        let mut waiting: Vec<RequestId> = self
             .own_writes
             .iter()
             .filter(|(_, w)| w.started && matches!(w.remote, Remote::Sent(_) | Remote::Unsent))
             .map(|(r, _)| *r)
             .collect();
+        waiting.sort_unstable();
         self.unsent.clear();
-        for req in waiting {
-            if let Some(w) = self.own_writes.get_mut(&req) {
-                w.remote = Remote::Skipped;
-            }
-            self.finish_own_write(req);
-        }
+        self.settle_waiting_writes(waiting);
         let flushes: Vec<RequestId> = self
             .own_flushes
             .iter()
@@ -617,6 +1321,74 @@ impl Endpoint {
         }
     }
 
+    /// Writes started but not mirrored, while the peer is away: complete them alone,
+    /// fail them, or keep them for the peer, as quorum says.
+    fn settle_waiting_writes(&mut self, waiting: Vec<RequestId>) {
+        match self.alone() {
+            Alone::Hold => {
+                for req in waiting {
+                    if let Some(w) = self.own_writes.get_mut(&req) {
+                        w.remote = Remote::Unsent;
+                        self.unsent.push_back(req);
+                    }
+                }
+            }
+            Alone::Allowed | Alone::Fail(_) => {
+                for req in waiting {
+                    if let Some(w) = self.own_writes.get_mut(&req) {
+                        w.remote = Remote::Skipped;
+                    }
+                    self.finish_own_write(req);
+                }
+            }
+        }
+    }
+
+    /// What a request may do while the peer is away.
+    fn alone(&self) -> Alone {
+        if self.meta.sb.inconsistent {
+            return Alone::Fail(ErrorKind::Io);
+        }
+        match (self.cfg.quorum, self.quorum) {
+            (None, _) | (Some(_), Quorum::Granted) => Alone::Allowed,
+            (Some(_), Quorum::Pending) | (Some(QuorumPolicy::Suspend), _) => Alone::Hold,
+            (Some(QuorumPolicy::IoError), _) => Alone::Fail(ErrorKind::NoQuorum),
+        }
+    }
+
+    /// The witness answered (or could not be reached: `granted` false).
+    pub fn handle_quorum(&mut self, now: Instant, granted: bool) {
+        if self.cfg.quorum.is_none() || self.state == LinkState::Connected {
+            return;
+        }
+        let before = self.quorum;
+        self.quorum = if granted {
+            Quorum::Granted
+        } else {
+            Quorum::Denied
+        };
+        if before != self.quorum {
+            if granted {
+                info!(disk = %self.cfg.disk_name, "quorum granted by the witness: serving I/O without the peer");
+            } else {
+                warn!(disk = %self.cfg.disk_name, "no quorum: the witness did not grant this node the disk");
+            }
+        }
+        if self.state == LinkState::Degraded {
+            let waiting: Vec<RequestId> = self.unsent.drain(..).collect();
+            self.settle_waiting_writes(waiting);
+            self.run_held_reads(now);
+            self.start_ready(now);
+        }
+    }
+
+    /// The operator resolves a split brain on this node: on the next handshake this
+    /// replica becomes the sync target and its changes are discarded.
+    pub fn discard_my_data(&mut self) {
+        warn!(disk = %self.cfg.disk_name, "operator: discard this node's data on the next connect");
+        self.discard_my_data = true;
+    }
+
     // ----- caller requests -----
 
     /// Write `payload` at `offset` (validated by the caller against the geometry).
@@ -628,6 +1400,16 @@ impl Endpoint {
         fua: bool,
     ) -> RequestId {
         let req = self.request_id();
+        self.last_app_io = now;
+        if self.state == LinkState::Degraded
+            && let Alone::Fail(kind) = self.alone()
+        {
+            self.events.push_back(Event::Completed {
+                request: req,
+                result: Err(kind),
+            });
+            return req;
+        }
         self.own_writes.insert(
             req,
             OwnWrite {
@@ -638,6 +1420,7 @@ impl Endpoint {
                 started: false,
                 local: Local::Pending,
                 remote: Remote::Unsent,
+                bits_pending: false,
             },
         );
         self.pending_own.push_back(req);
@@ -667,17 +1450,51 @@ impl Endpoint {
         req
     }
 
-    /// Read from the local replica, or from the peer while the local one is detached.
+    /// Read from the local replica; from the peer while the local one is detached or,
+    /// on a sync target, not yet synced for that range.
     pub fn submit_read(&mut self, now: Instant, offset: u64, len: u32) -> RequestId {
         let req = self.request_id();
-        if !self.detached {
+        self.last_app_io = now;
+        self.route_read(now, req, offset, len);
+        req
+    }
+
+    fn route_read(&mut self, now: Instant, req: RequestId, offset: u64, len: u32) {
+        if self.state == LinkState::Degraded {
+            match self.alone() {
+                Alone::Hold => return self.held_reads.push_back((req, offset, len)),
+                Alone::Fail(ErrorKind::NoQuorum) => {
+                    return self.events.push_back(Event::Completed {
+                        request: req,
+                        result: Err(ErrorKind::NoQuorum),
+                    });
+                }
+                Alone::Allowed | Alone::Fail(_) => {}
+            }
+        }
+        let stale = (self.meta.sb.inconsistent
+            || matches!(&self.sync, Some(s) if s.role == SyncRole::Target))
+            && self
+                .meta
+                .layout
+                .chunks_of(offset, u64::from(len).max(1))
+                .any(|c| self.meta.bitmap.get(c));
+        if self.detached || stale {
+            self.read_from_peer(now, req, offset, len);
+        } else {
             let op = self.op_id(OpPurpose::OwnRead(req));
             self.local_reads.insert(req, (offset, len));
             self.local_io.push_back(LocalIo::Read { op, offset, len });
-        } else {
-            self.read_from_peer(now, req, offset, len);
         }
-        req
+    }
+
+    fn run_held_reads(&mut self, now: Instant) {
+        if self.state == LinkState::Degraded && self.alone() == Alone::Hold {
+            return;
+        }
+        for (req, offset, len) in std::mem::take(&mut self.held_reads) {
+            self.route_read(now, req, offset, len);
+        }
     }
 
     fn read_from_peer(&mut self, now: Instant, req: RequestId, offset: u64, len: u32) {
@@ -701,23 +1518,67 @@ impl Endpoint {
 
     // ----- ordering -----
 
-    fn overlaps_running_apply(&self, ranges: &[Range], before: usize) -> bool {
+    fn overlaps_apply(&self, ranges: &[Range], before: usize) -> bool {
         self.apply[..before]
             .iter()
             .any(|a| any_overlap(&a.ranges, ranges))
     }
 
+    fn push_apply(&mut self, kind: ApplyKind, ranges: Vec<Range>, gate: u64) -> usize {
+        let id = self.next_apply;
+        self.next_apply += 1;
+        let extents = if kind.is_write() && !matches!(kind, ApplyKind::SyncWrite { .. }) {
+            None
+        } else {
+            Some(Vec::new())
+        };
+        self.apply.push(Apply {
+            id,
+            kind,
+            ranges,
+            started: false,
+            running_ops: 0,
+            failed: None,
+            gate,
+            extents,
+            data: None,
+        });
+        let at = self.apply.len() - 1;
+        self.try_start_apply(at);
+        at
+    }
+
+    /// Start apply entry `i` if nothing earlier overlaps it and its metadata is durable.
+    fn try_start_apply(&mut self, i: usize) {
+        if self.apply[i].started || self.overlaps_apply(&self.apply[i].ranges.clone(), i) {
+            return;
+        }
+        if self.apply[i].extents.is_none() {
+            let ranges = self.apply[i].ranges.clone();
+            match self.al_acquire(&ranges) {
+                Some((extents, gate)) => {
+                    let a = &mut self.apply[i];
+                    a.extents = Some(extents);
+                    a.gate = a.gate.max(gate);
+                }
+                None => return,
+            }
+        }
+        if !self.meta_durable(self.apply[i].gate) {
+            return;
+        }
+        self.start_apply(i);
+    }
+
     /// Start every waiting apply entry and own write that no earlier write blocks.
     fn start_ready(&mut self, now: Instant) {
-        // Peer writes waiting in the apply list.
         let mut i = 0;
         while i < self.apply.len() {
-            if !self.apply[i].started
-                && !self.overlaps_running_apply(&self.apply[i].ranges.clone(), i)
-            {
-                self.start_apply(i);
-            }
+            self.try_start_apply(i);
             i += 1;
+        }
+        if self.hold_writes {
+            return;
         }
         // Own writes, in submission order; one blocked write blocks later overlapping ones.
         let mut blocked: Vec<Range> = Vec::new();
@@ -729,7 +1590,7 @@ impl Endpoint {
                 continue;
             };
             let r = [Range::new(w.offset, w.payload.len())];
-            if any_overlap(&blocked, &r) || self.overlaps_running_apply(&r, self.apply.len()) {
+            if any_overlap(&blocked, &r) || self.overlaps_apply(&r, self.apply.len()) {
                 blocked.push(r[0]);
                 idx += 1;
                 continue;
@@ -737,6 +1598,7 @@ impl Endpoint {
             self.pending_own.remove(idx);
             self.start_own_write(now, req);
         }
+        self.try_shutdown(now);
     }
 
     fn start_own_write(&mut self, now: Instant, req: RequestId) {
@@ -748,24 +1610,19 @@ impl Endpoint {
         if self.detached {
             w.local = Local::Done(Ok(()));
         } else {
-            self.apply.push(Apply {
-                source: Source::Own(req),
-                ranges: vec![range],
-                started: false,
-                running_ops: 0,
-                failed: None,
-            });
-            let at = self.apply.len() - 1;
-            self.start_apply(at);
+            self.push_apply(ApplyKind::Own(req), vec![range], 0);
         }
         match self.state {
             LinkState::Connected => self.send_own_write(now, req),
             LinkState::Waiting | LinkState::Handshaking => self.unsent.push_back(req),
-            LinkState::Degraded => {
-                if let Some(w) = self.own_writes.get_mut(&req) {
-                    w.remote = Remote::Skipped;
+            LinkState::Degraded => match self.alone() {
+                Alone::Hold => self.unsent.push_back(req),
+                Alone::Allowed | Alone::Fail(_) => {
+                    if let Some(w) = self.own_writes.get_mut(&req) {
+                        w.remote = Remote::Skipped;
+                    }
                 }
-            }
+            },
         }
         self.finish_own_write(req);
     }
@@ -784,28 +1641,37 @@ impl Endpoint {
         self.send(now, msg);
     }
 
-    /// Issue the local writes of apply entry `i`.
+    /// Issue the local I/O of apply entry `i`.
     fn start_apply(&mut self, i: usize) {
-        let source = self.apply[i].source;
-        let (offset, payload, fua) = match source {
-            Source::Own(req) => match self.own_writes.get_mut(&req) {
+        let id = self.apply[i].id;
+        let (offset, payload, fua) = match self.apply[i].kind.clone() {
+            ApplyKind::Own(req) => match self.own_writes.get_mut(&req) {
                 Some(w) => {
                     w.local = Local::Running;
                     (w.offset, w.payload.clone(), w.fua)
                 }
                 None => return,
             },
-            Source::Peer(id) => match self.peer_writes.get(&id) {
+            ApplyKind::Peer(pid) => match self.peer_writes.get(&pid) {
                 Some(p) => (p.offset, p.payload.clone(), p.fua),
                 None => return,
             },
+            ApplyKind::SyncWrite { offset, data } => (offset, WritePayload::Data(data), false),
+            ApplyKind::SyncRead { offset, len, .. }
+            | ApplyKind::SyncCompare { offset, len, .. } => {
+                self.apply[i].started = true;
+                self.apply[i].running_ops = 1;
+                let op = self.op_id(OpPurpose::Apply(id));
+                self.local_io.push_back(LocalIo::Read { op, offset, len });
+                return;
+            }
         };
         let pieces = self.apply[i].ranges.clone();
         self.apply[i].started = true;
         self.apply[i].running_ops = pieces.len();
         for piece in pieces {
             let sub = slice_payload(&payload, offset, piece);
-            let op = self.op_id(OpPurpose::Apply(source));
+            let op = self.op_id(OpPurpose::Apply(id));
             self.local_io.push_back(LocalIo::Write {
                 op,
                 offset: piece.start,
@@ -815,14 +1681,28 @@ impl Endpoint {
         }
     }
 
+    /// Ranges of own writes the peer has not acknowledged yet: a peer write (on the
+    /// resolver) or resync data (always) must not overwrite them.
+    fn unacked_own_ranges(&self) -> Vec<Range> {
+        self.own_writes
+            .values()
+            .filter(|w| matches!(w.remote, Remote::Sent(_)))
+            .map(|w| Range::new(w.offset, w.payload.len()))
+            .collect()
+    }
+
     fn peer_write(&mut self, now: Instant, id: u64, offset: u64, payload: WritePayload, fua: bool) {
         let range = Range::new(offset, payload.len());
         if payload.is_empty() || range.end > self.cfg.size {
-            return self.protocol_violation(format!(
-                "write {id} of {} bytes at {offset} is invalid",
-                payload.len()
-            ));
+            return self.protocol_violation(
+                now,
+                format!(
+                    "write {id} of {} bytes at {offset} is invalid",
+                    payload.len()
+                ),
+            );
         }
+        self.last_app_io = now;
         if self.detached {
             self.send(
                 now,
@@ -836,13 +1716,7 @@ impl Endpoint {
         // Rule 3: on the resolver, the peer's write loses wherever an own write is still
         // awaiting its ack.
         let ranges = if self.is_resolver() {
-            let mask: Vec<Range> = self
-                .own_writes
-                .values()
-                .filter(|w| matches!(w.remote, Remote::Sent(_)))
-                .map(|w| Range::new(w.offset, w.payload.len()))
-                .collect();
-            subtract(range, &mask)
+            subtract(range, &self.unacked_own_ranges())
         } else {
             vec![range]
         };
@@ -864,14 +1738,7 @@ impl Endpoint {
                 fua,
             },
         );
-        self.apply.push(Apply {
-            source: Source::Peer(id),
-            ranges,
-            started: false,
-            running_ops: 0,
-            failed: None,
-        });
-        self.start_ready(now);
+        self.push_apply(ApplyKind::Peer(id), ranges, 0);
     }
 
     // ----- local completions -----
@@ -881,43 +1748,53 @@ impl Endpoint {
         let Some(purpose) = self.ops.remove(&op) else {
             return;
         };
+        if let OpPurpose::Meta = purpose {
+            return self.meta_done(now, result);
+        }
         if let Err(kind) = &result {
             self.local_failed(*kind);
         }
         match purpose {
-            OpPurpose::Apply(source) => {
-                let Some(i) = self.apply.iter().position(|a| a.source == source) else {
+            OpPurpose::Meta => {}
+            OpPurpose::Apply(id) => {
+                let Some(i) = self.apply.iter().position(|a| a.id == id) else {
                     return;
                 };
                 let entry = &mut self.apply[i];
                 entry.running_ops = entry.running_ops.saturating_sub(1);
-                if let Err(k) = result {
-                    entry.failed = Some(k);
+                match result {
+                    Err(k) => entry.failed = Some(k),
+                    Ok(Some(data)) => entry.data = Some(data),
+                    Ok(None) => {}
                 }
                 if entry.running_ops > 0 {
                     return;
                 }
                 let entry = self.apply.remove(i);
+                if let Some(extents) = &entry.extents {
+                    self.al_release(extents);
+                }
                 let outcome = entry.failed.map_or(Ok(()), Err);
-                match source {
-                    Source::Own(req) => {
+                match entry.kind {
+                    ApplyKind::Own(req) => {
                         if let Some(w) = self.own_writes.get_mut(&req) {
                             w.local = Local::Done(outcome);
                         }
                         self.finish_own_write(req);
                     }
-                    Source::Peer(id) => {
-                        self.peer_writes.remove(&id);
+                    ApplyKind::Peer(pid) => {
+                        self.peer_writes.remove(&pid);
                         if self.state == LinkState::Connected {
                             self.send(
                                 now,
                                 Message::WriteAck {
-                                    id,
+                                    id: pid,
                                     status: status_of(outcome),
                                 },
                             );
                         }
                     }
+                    kind => self.sync_apply_done(now, kind, outcome, entry.data),
                 }
                 self.start_ready(now);
             }
@@ -975,31 +1852,57 @@ impl Endpoint {
     }
 
     fn finish_own_write(&mut self, req: RequestId) {
-        let Some((local, remote)) = self
-            .own_writes
-            .get(&req)
-            .and_then(|w| settled(w.local, w.remote))
-        else {
+        let Some((local, remote, range, bits_pending)) = self.own_writes.get(&req).and_then(|w| {
+            settled(w.local, w.remote)
+                .map(|(l, r)| (l, r, Range::new(w.offset, w.payload.len()), w.bits_pending))
+        }) else {
             return;
         };
-        let result = match (local, remote) {
-            (Ok(()), Some(Status::Ok)) => Ok(()),
-            // One good copy: the write is done, the replicas differ until a resync.
-            (Ok(()), _) => {
-                self.diverged = true;
-                Ok(())
+        if bits_pending {
+            return;
+        }
+        let mirrored = remote == Some(Status::Ok);
+        let result = match local {
+            Ok(()) if mirrored => Ok(()),
+            // Local replica detached; the peer holds the data.
+            Err(_) if mirrored => Ok(()),
+            Err(k) => Err(k),
+            // One good copy, on this node: the chunks differ from the peer's until a
+            // resync, and the bitmap must say so durably before anyone is told.
+            Ok(()) => {
+                let verdict = self.alone();
+                let acknowledge = self.state != LinkState::Connected && verdict == Alone::Allowed
+                    || self.state == LinkState::Connected;
+                let mgen = self.mark_unmirrored(range, acknowledge);
+                if self.meta.failed {
+                    Err(ErrorKind::Io)
+                } else if !self.meta_durable(mgen) {
+                    if let Some(w) = self.own_writes.get_mut(&req) {
+                        w.bits_pending = true;
+                    }
+                    self.meta.waiters.push((mgen, MetaWaiter::OwnWrite(req)));
+                    return;
+                } else {
+                    match verdict {
+                        Alone::Fail(k) if self.state != LinkState::Connected => Err(k),
+                        _ => Ok(()),
+                    }
+                }
             }
-            (Err(_), Some(Status::Ok)) => {
-                // Local replica detached; the peer holds the data.
-                Ok(())
-            }
-            (Err(k), _) => Err(k),
         };
         self.own_writes.remove(&req);
         self.events.push_back(Event::Completed {
             request: req,
             result: result.map(|()| None),
         });
+        self.maybe_send_hello_now();
+    }
+
+    fn maybe_send_hello_now(&mut self) {
+        if self.hello_deferred && self.handshaking {
+            let now = self.last_tx.max(self.last_rx);
+            self.maybe_send_hello(now);
+        }
     }
 
     fn finish_flush(&mut self, req: RequestId) {
@@ -1038,6 +1941,9 @@ impl Endpoint {
                 if let Some(oldest) = self.oldest_unacked() {
                     at(oldest + self.cfg.peer_timeout);
                 }
+                if let Some(x) = self.sync_timeout() {
+                    at(x);
+                }
             }
             LinkState::Handshaking => {}
             LinkState::Waiting => {
@@ -1071,7 +1977,7 @@ impl Endpoint {
     /// Time has reached (or passed) what `poll_timeout` asked for.
     pub fn handle_timeout(&mut self, now: Instant) {
         if self.handshaking && now >= self.last_rx + self.cfg.peer_timeout {
-            self.end_handshake();
+            self.end_handshake(now);
             self.events.push_back(Event::Refused {
                 reason: "handshake timed out".into(),
             });
@@ -1080,19 +1986,20 @@ impl Endpoint {
             LinkState::Connected => {
                 if now >= self.last_rx + self.cfg.peer_timeout {
                     let t = self.cfg.peer_timeout;
-                    return self.lose_peer(format!("no message from the peer for {t:?}"));
+                    return self.lose_peer(now, format!("no message from the peer for {t:?}"));
                 }
                 if let Some(oldest) = self.oldest_unacked()
                     && now >= oldest + self.cfg.peer_timeout
                 {
                     let t = self.cfg.peer_timeout;
-                    return self.lose_peer(format!("no answer from the peer for {t:?}"));
+                    return self.lose_peer(now, format!("no answer from the peer for {t:?}"));
                 }
                 if now >= self.last_tx + self.cfg.ping_interval {
                     let id = self.next_ping;
                     self.next_ping += 1;
                     self.send(now, Message::Ping { id });
                 }
+                self.sync_tick(now);
             }
             LinkState::Handshaking => {}
             LinkState::Waiting => {
@@ -1103,7 +2010,7 @@ impl Endpoint {
                     .any(|w| now >= w.submitted.max(self.created) + self.cfg.connect_timeout);
                 if due {
                     let t = self.cfg.connect_timeout;
-                    self.lose_peer(format!("the peer did not connect within {t:?}"));
+                    self.lose_peer(now, format!("the peer did not connect within {t:?}"));
                 }
             }
             LinkState::Degraded => {}
@@ -1119,6 +2026,9 @@ impl Endpoint {
 
     /// The next operation to run on the local replica.
     pub fn poll_local_io(&mut self) -> Option<LocalIo> {
+        if self.local_io.is_empty() {
+            self.issue_meta();
+        }
         self.local_io.pop_front()
     }
 

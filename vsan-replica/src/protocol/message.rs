@@ -7,7 +7,7 @@
 use bytes::Bytes;
 
 /// Version of the replication protocol; both sides must speak the same one.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// Identifies one replicated disk across both nodes (set when the disk is created).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -39,6 +39,27 @@ impl std::fmt::Display for DiskId {
     }
 }
 
+/// A replica's data generation ids (DRBD's data generation UUIDs).
+///
+/// `current` names the data as it is now; `bitmap` is the `current` of the moment this
+/// replica went on without its peer (0 when it has not), so the bitmap holds every
+/// chunk changed since; `history` keeps the two generations before that. A new
+/// `current` is made lazily, on the first write after the peer is lost. Comparing two
+/// replicas' ids decides, in one step, whether they are in sync, which one is the sync
+/// source, or whether they split (see `protocol::generations`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct Generations {
+    /// The current generation.
+    pub current: u64,
+    /// The generation the bitmap counts changes from (0: none).
+    pub bitmap: u64,
+    /// Older generations, newest first (0: none).
+    pub history: [u64; 2],
+}
+
+/// The `current` generation of a replica created and never synced with its peer.
+pub const GEN_JUST_CREATED: u64 = 4;
+
 /// What each side announces first on a new link.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Hello {
@@ -56,9 +77,72 @@ pub struct Hello {
     pub size: u64,
     /// Logical block size in bytes.
     pub block_size: u32,
-    /// True when the sender knows its replica diverged from the peer's since they last
-    /// talked (it wrote while degraded), so the link needs a resync before mirroring.
-    pub needs_resync: bool,
+    /// Bytes per bitmap bit (resync granularity).
+    pub chunk_size: u64,
+    /// The sender's generation ids.
+    pub generations: Generations,
+    /// Chunks the sender's bitmap marks out of sync.
+    pub dirty_chunks: u64,
+    /// The sender restarted after a crash and its bitmap holds the extents of its
+    /// activity log (they may differ from the peer's).
+    pub crashed: bool,
+    /// The sender is a sync target whose resync has not finished: its data is not
+    /// usable on its own.
+    pub inconsistent: bool,
+    /// The operator asked the sender to discard its data in a split brain.
+    pub discard_my_data: bool,
+    /// The sender's split-brain policy ([`SplitBrainPolicy::code`]); both must agree.
+    pub split_brain_policy: u64,
+}
+
+/// What to do when both replicas were written while apart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SplitBrainPolicy {
+    /// Refuse to connect and report it on both nodes (an operator resolves it).
+    #[default]
+    Refuse,
+    /// Discard the data of a node that made no changes while apart.
+    DiscardZeroChanges,
+    /// Discard the data of the node that changed fewer chunks (a tie is refused).
+    DiscardLeastChanges,
+    /// Discard the data of the given node.
+    DiscardNode(u32),
+}
+
+impl SplitBrainPolicy {
+    /// A number that names the policy on the wire.
+    pub fn code(self) -> u64 {
+        match self {
+            SplitBrainPolicy::Refuse => 0,
+            SplitBrainPolicy::DiscardZeroChanges => 1,
+            SplitBrainPolicy::DiscardLeastChanges => 2,
+            SplitBrainPolicy::DiscardNode(id) => 3 | (u64::from(id) << 8),
+        }
+    }
+
+    /// The policy [`code`](Self::code) names, if any.
+    pub fn from_code(code: u64) -> Option<SplitBrainPolicy> {
+        match code & 0xff {
+            0 if code == 0 => Some(SplitBrainPolicy::Refuse),
+            1 if code == 1 => Some(SplitBrainPolicy::DiscardZeroChanges),
+            2 if code == 2 => Some(SplitBrainPolicy::DiscardLeastChanges),
+            3 => u32::try_from(code >> 8)
+                .ok()
+                .map(SplitBrainPolicy::DiscardNode),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for SplitBrainPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SplitBrainPolicy::Refuse => write!(f, "refuse"),
+            SplitBrainPolicy::DiscardZeroChanges => write!(f, "discard-zero-changes"),
+            SplitBrainPolicy::DiscardLeastChanges => write!(f, "discard-least-changes"),
+            SplitBrainPolicy::DiscardNode(id) => write!(f, "discard-node({id})"),
+        }
+    }
 }
 
 /// Outcome of a remote operation.
@@ -171,5 +255,64 @@ pub enum Message {
     Pong {
         /// The Ping's id.
         id: u64,
+    },
+    /// Resync: the sender's out-of-sync chunks, as runs of chunk numbers, sent by both
+    /// sides right after the handshake when a resync is due.
+    SyncBitmap {
+        /// `(first chunk, number of chunks)` runs, ascending and not overlapping.
+        runs: Vec<(u64, u64)>,
+    },
+    /// Resync or verify: the sender's data for `[offset, offset + data.len())`; the
+    /// receiver writes it (except where its own newer writes cover it) and answers
+    /// `SyncAck`.
+    SyncData {
+        /// Byte offset (chunk aligned).
+        offset: u64,
+        /// The bytes.
+        data: Bytes,
+    },
+    /// `SyncData` at `offset` was written (or failed), or a `SyncCrc` found equal data.
+    SyncAck {
+        /// The chunk's byte offset.
+        offset: u64,
+        /// Outcome.
+        status: Status,
+    },
+    /// Checksum resync or online verify: the crc32 of the sender's chunk at `offset`.
+    SyncCrc {
+        /// Byte offset (chunk aligned).
+        offset: u64,
+        /// Bytes covered.
+        len: u32,
+        /// crc32 of those bytes.
+        crc: u32,
+        /// Online verify (true) or checksum resync (false).
+        verify: bool,
+    },
+    /// Answer to `SyncCrc`: whether the receiver's chunk holds the same bytes.
+    SyncCrcReply {
+        /// The chunk's byte offset.
+        offset: u64,
+        /// Same crc on both sides.
+        equal: bool,
+        /// Echoes the `SyncCrc`'s flag.
+        verify: bool,
+    },
+    /// Resync checkpoint: make everything synced so far durable and persist progress.
+    SyncCheckpoint {
+        /// Echoed in the ack.
+        id: u64,
+    },
+    /// The checkpoint is durable on the receiver (or failed).
+    SyncCheckpointAck {
+        /// The checkpoint's id.
+        id: u64,
+        /// Outcome.
+        status: Status,
+    },
+    /// The resync is complete: the target takes the source's generations.
+    SyncDone {
+        /// The source's generations.
+        generations: Generations,
     },
 }

@@ -13,6 +13,7 @@
 //! over message delivery and local I/O completion (see the `tests` module).
 
 mod endpoint;
+pub mod generations;
 pub mod message;
 mod ranges;
 
@@ -20,6 +21,10 @@ mod ranges;
 mod tests;
 
 pub use endpoint::{
-    Config, Endpoint, Event, LinkState, LocalIo, LocalOpId, LocalResult, RequestId,
+    Config, Endpoint, Event, LinkState, LocalIo, LocalOpId, LocalResult, QuorumPolicy, RequestId,
+    ResyncConfig, ResyncRate, SyncKind, SyncProgress, SyncRole, SyncSummary,
 };
-pub use message::{DiskId, Hello, Message, PROTOCOL_VERSION, Status, WritePayload};
+pub use message::{
+    DiskId, GEN_JUST_CREATED, Generations, Hello, Message, PROTOCOL_VERSION, SplitBrainPolicy,
+    Status, WritePayload,
+};

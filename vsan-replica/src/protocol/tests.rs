@@ -28,14 +28,49 @@ struct Node {
     fail_local: bool,
 }
 
+/// Metadata of a replica in sync at generation 77 (as if the pair had synced before).
+pub(super) fn synced_meta(cfg: &Config, chunk_size: u64, current: u64) -> crate::meta::Loaded {
+    let layout = crate::meta::Layout::new(cfg.size, chunk_size);
+    crate::meta::Loaded {
+        layout,
+        superblock: crate::meta::Superblock {
+            seq: 1,
+            disk_id: cfg.disk_id,
+            disk_name: cfg.disk_name.clone(),
+            node_id: cfg.node_id,
+            peer_id: cfg.peer_id,
+            size: cfg.size,
+            block_size: cfg.block_size,
+            chunk_size,
+            generations: Generations {
+                current,
+                bitmap: 0,
+                history: [0, 0],
+            },
+            inconsistent: false,
+            crashed: false,
+            clean_shutdown: true,
+        },
+        al_seq: 1,
+        al: Vec::new(),
+        bitmap: crate::meta::Bitmap::new(layout.chunks()),
+    }
+}
+
 impl Node {
     fn new(id: u32, peer: u32, now: Instant) -> Node {
         let mut cfg = Config::new(id, peer, DiskId([7; 16]), "vol0", SIZE, BS);
         cfg.peer_timeout = Duration::from_secs(5);
+        Node::with(cfg, 64 * 1024, 77, now)
+    }
+
+    fn with(cfg: Config, chunk_size: u64, current: u64, now: Instant) -> Node {
+        let size = cfg.size as usize;
+        let meta = synced_meta(&cfg, chunk_size, current);
         Node {
-            ep: Endpoint::new(cfg, now),
-            disk: vec![0; SIZE as usize],
-            durable: vec![0; SIZE as usize],
+            ep: Endpoint::new(cfg, meta, now),
+            disk: vec![0; size],
+            durable: vec![0; size],
             io: Vec::new(),
             inbox: VecDeque::new(),
             completed: Vec::new(),
@@ -88,13 +123,24 @@ impl Pair {
 
     /// Move every output of both endpoints to where it goes.
     fn pump(&mut self) {
+        // Completing a metadata write can queue messages: go round until quiet.
+        for _ in 0..8 {
+            self.pump_once();
+        }
+    }
+
+    fn pump_once(&mut self) {
         for i in 0..2 {
             while let Some(m) = self.n[i].ep.poll_transmit() {
                 self.n[1 - i].inbox.push_back(m);
             }
             let n = &mut self.n[i];
+            // Metadata writes complete at once: these tests are about data ordering.
             while let Some(io) = n.ep.poll_local_io() {
-                n.io.push(io);
+                match io {
+                    LocalIo::Meta { op, .. } => n.ep.handle_local_done(self.now, op, Ok(None)),
+                    io => n.io.push(io),
+                }
             }
             while let Some(e) = n.ep.poll_event() {
                 if let Event::Completed { request, result } = &e {
@@ -160,6 +206,7 @@ impl Pair {
                     (op, Ok(Some(data)))
                 }
             }
+            LocalIo::Meta { op, .. } => (op, Ok(None)),
         };
         n.ep.handle_local_done(now, op, result);
         self.pump();
@@ -316,7 +363,8 @@ fn mismatched_peers_are_refused_with_a_reason_on_both_sides() {
         let mut p = Pair::new();
         let mut cfg = Config::new(2, 1, DiskId([7; 16]), "vol0", SIZE, BS);
         tweak(&mut cfg);
-        p.n[1].ep = Endpoint::new(cfg, now);
+        let meta = synced_meta(&cfg, 64 * 1024, 77);
+        p.n[1].ep = Endpoint::new(cfg, meta, now);
         p.connect();
         p.run();
         for n in &p.n {
@@ -404,8 +452,9 @@ fn a_write_submitted_after_seeing_the_peers_write_wins_on_both() {
 }
 
 #[test]
-fn peer_timeout_completes_writes_degraded_and_refuses_reconnect() {
+fn peer_timeout_completes_writes_degraded_and_resyncs_on_reconnect() {
     let mut p = Pair::connected();
+    let gen_before = p.n[0].ep.generations();
     let r = p.write(0, 0, fill(5, 512), false);
     p.complete_io(0, 0);
     // The peer never answers.
@@ -427,22 +476,37 @@ fn peer_timeout_completes_writes_degraded_and_refuses_reconnect() {
             .any(|e| matches!(e, Event::PeerLost { .. }))
     );
     assert!(p.n[0].ep.is_diverged());
+    // The write without the peer moved node 1 to a new generation.
+    let g = p.n[0].ep.generations();
+    assert_eq!(g.bitmap, gen_before.current);
+    assert_ne!(g.current, gen_before.current);
 
-    // A new link: both sides refuse with "resync required".
+    // A new link: node 1 is the sync source, the one dirty chunk travels, both end
+    // identical and in sync on node 1's generation.
     p.n[0].inbox.clear();
     p.n[1].inbox.clear();
     p.n[1].ep.handle_disconnected(later, "reset");
     p.now = later;
     p.connect();
     p.run();
+    assert_eq!(p.n[0].disk, p.n[1].disk);
+    let done: Vec<SyncSummary> = p.n[0]
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            Event::SyncEnded(s) => Some(*s),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(done.len(), 1, "{:?}", p.n[0].events);
+    assert!(done[0].completed);
+    assert_eq!(done[0].role, SyncRole::Source);
+    assert_eq!(done[0].transferred_bytes, SIZE);
     for n in &p.n {
-        assert!(
-            n.events.iter().any(
-                |e| matches!(e, Event::Refused { reason } if reason.contains("resync required"))
-            ),
-            "{:?}",
-            n.events
-        );
+        assert!(!n.ep.is_diverged());
+        assert_eq!(n.ep.generations().current, g.current);
+        assert_eq!(n.ep.generations().bitmap, 0);
+        assert!(!n.ep.is_inconsistent());
     }
 }
 

@@ -1,11 +1,14 @@
 //! Messages to frames and back: [`encode`], [`decode`] and the rules both apply
 //! ([`validate`]).
 
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 
 use super::header::{CRC_AT, Header, checksum};
 use super::{HEADER_LEN, Kind, MAX_DATA_LEN, MAX_META_LEN, WireError, pb};
-use crate::protocol::{DiskId, Hello, Message, Status, WritePayload};
+use crate::protocol::{DiskId, Generations, Hello, Message, Status, WritePayload};
+
+/// Bytes one `SyncBitmap` run takes in the data section: two little-endian u64.
+const RUN_LEN: usize = 16;
 
 /// One encoded frame: the header and meta in one small buffer, the data in another, so a
 /// transport can hand both to one vectored write and a 4 KiB payload is never copied
@@ -46,9 +49,12 @@ impl Frame {
 /// Checks `msg` against the rules every frame must follow, so nothing is sent that the
 /// peer's decoder would refuse. [`decode`] applies the same check to what it receives.
 ///
-/// The rules: writes and reads cover at least one byte and their range does not pass
-/// `u64::MAX`; write data and read lengths are at most [`MAX_DATA_LEN`]; a failed
-/// `ReadReply` carries no data.
+/// The rules: writes, reads, resync data and resync crcs cover at least one byte and
+/// their range does not pass `u64::MAX`; write data, read lengths and resync data are at
+/// most [`MAX_DATA_LEN`]; a failed `ReadReply` carries no data; a `SyncBitmap`'s runs
+/// are each non-empty, ascending and not overlapping (each starts at or after the
+/// previous one's end), end at most at `u64::MAX`, and encode in at most
+/// [`MAX_DATA_LEN`] bytes.
 pub fn validate(msg: &Message) -> Result<(), WireError> {
     let kind = Kind::of(msg);
     let invalid = |reason| Err(WireError::Invalid { kind, reason });
@@ -85,6 +91,43 @@ pub fn validate(msg: &Message) -> Result<(), WireError> {
                 return invalid("a failed read carries data");
             }
         }
+        Message::SyncBitmap { runs } => {
+            if runs.len() > MAX_DATA_LEN / RUN_LEN {
+                return invalid("bitmap runs exceed MAX_DATA_LEN");
+            }
+            let mut next = 0u64;
+            for (i, &(first, count)) in runs.iter().enumerate() {
+                if count == 0 {
+                    return invalid("a bitmap run covers no chunks");
+                }
+                if i > 0 && first < next {
+                    return invalid("bitmap runs are not ascending and disjoint");
+                }
+                let Some(end) = first.checked_add(count) else {
+                    return invalid("bitmap run passes u64::MAX");
+                };
+                next = end;
+            }
+        }
+        Message::SyncData { offset, data } => {
+            if data.is_empty() {
+                return invalid("resync data covers no bytes");
+            }
+            if data.len() > MAX_DATA_LEN {
+                return invalid("resync data exceeds MAX_DATA_LEN");
+            }
+            if offset.checked_add(data.len() as u64).is_none() {
+                return invalid("resync data range passes u64::MAX");
+            }
+        }
+        Message::SyncCrc { offset, len, .. } => {
+            if *len == 0 {
+                return invalid("a resync crc covers no bytes");
+            }
+            if offset.checked_add(u64::from(*len)).is_none() {
+                return invalid("resync crc range passes u64::MAX");
+            }
+        }
         Message::Hello(_)
         | Message::Welcome
         | Message::Refuse { .. }
@@ -92,13 +135,18 @@ pub fn validate(msg: &Message) -> Result<(), WireError> {
         | Message::Flush { .. }
         | Message::FlushAck { .. }
         | Message::Ping { .. }
-        | Message::Pong { .. } => {}
+        | Message::Pong { .. }
+        | Message::SyncAck { .. }
+        | Message::SyncCrcReply { .. }
+        | Message::SyncCheckpoint { .. }
+        | Message::SyncCheckpointAck { .. }
+        | Message::SyncDone { .. } => {}
     }
     Ok(())
 }
 
-/// Encodes `msg` into a [`Frame`]. The data of a write or read reply is shared, not
-/// copied.
+/// Encodes `msg` into a [`Frame`]. The data of a write, read reply or resync data is
+/// shared, not copied; a `SyncBitmap`'s runs are encoded into a new data section.
 ///
 /// Fails when `msg` breaks a rule of [`validate`] or its meta exceeds
 /// [`MAX_META_LEN`] (a `Refuse` reason or disk name of tens of KiB).
@@ -116,7 +164,13 @@ pub fn encode(msg: &Message) -> Result<Frame, WireError> {
                 disk_name: h.disk_name.clone(),
                 size: h.size,
                 block_size: h.block_size,
-                needs_resync: h.needs_resync,
+                chunk_size: h.chunk_size,
+                generations: Some(generations(&h.generations)),
+                dirty_chunks: h.dirty_chunks,
+                crashed: h.crashed,
+                inconsistent: h.inconsistent,
+                discard_my_data: h.discard_my_data,
+                split_brain_policy: h.split_brain_policy,
             },
             Bytes::new(),
         ),
@@ -148,19 +202,79 @@ pub fn encode(msg: &Message) -> Result<Frame, WireError> {
             };
             build(kind, &meta, data)
         }
-        Message::WriteAck { id, status } | Message::FlushAck { id, status } => {
+        Message::WriteAck { id, status }
+        | Message::FlushAck { id, status }
+        | Message::SyncCheckpointAck { id, status } => {
             build(kind, &reply(*id, *status), Bytes::new())
         }
         Message::ReadReply { id, status, data } => build(kind, &reply(*id, *status), data.clone()),
-        Message::Flush { id } | Message::Ping { id } | Message::Pong { id } => {
-            build(kind, &pb::Token { id: *id }, Bytes::new())
-        }
+        Message::Flush { id }
+        | Message::Ping { id }
+        | Message::Pong { id }
+        | Message::SyncCheckpoint { id } => build(kind, &pb::Token { id: *id }, Bytes::new()),
         Message::Read { id, offset, len } => build(
             kind,
             &pb::Read {
                 id: *id,
                 offset: *offset,
                 len: *len,
+            },
+            Bytes::new(),
+        ),
+        Message::SyncBitmap { runs } => {
+            let mut data = BytesMut::with_capacity(runs.len() * RUN_LEN);
+            for &(first, count) in runs {
+                data.put_u64_le(first);
+                data.put_u64_le(count);
+            }
+            let meta = pb::SyncBitmap {
+                runs: runs.len() as u64,
+            };
+            build(kind, &meta, data.freeze())
+        }
+        Message::SyncData { offset, data } => {
+            build(kind, &pb::SyncData { offset: *offset }, data.clone())
+        }
+        Message::SyncAck { offset, status } => build(
+            kind,
+            &pb::SyncAck {
+                offset: *offset,
+                error: error_of(*status),
+            },
+            Bytes::new(),
+        ),
+        Message::SyncCrc {
+            offset,
+            len,
+            crc,
+            verify,
+        } => build(
+            kind,
+            &pb::SyncCrc {
+                offset: *offset,
+                len: *len,
+                crc: *crc,
+                verify: *verify,
+            },
+            Bytes::new(),
+        ),
+        Message::SyncCrcReply {
+            offset,
+            equal,
+            verify,
+        } => build(
+            kind,
+            &pb::SyncCrcReply {
+                offset: *offset,
+                equal: *equal,
+                verify: *verify,
+            },
+            Bytes::new(),
+        ),
+        Message::SyncDone { generations: g } => build(
+            kind,
+            &pb::SyncDone {
+                generations: Some(generations(g)),
             },
             Bytes::new(),
         ),
@@ -204,7 +318,13 @@ pub fn decode(buf: &mut BytesMut) -> Result<Option<Message>, WireError> {
                 disk_name: m.disk_name,
                 size: m.size,
                 block_size: m.block_size,
-                needs_resync: m.needs_resync,
+                chunk_size: m.chunk_size,
+                generations: generations_of(kind, m.generations)?,
+                dirty_chunks: m.dirty_chunks,
+                crashed: m.crashed,
+                inconsistent: m.inconsistent,
+                discard_my_data: m.discard_my_data,
+                split_brain_policy: m.split_brain_policy,
             })
         }
         Kind::Welcome => Message::Welcome,
@@ -270,6 +390,65 @@ pub fn decode(buf: &mut BytesMut) -> Result<Option<Message>, WireError> {
                 len: m.len,
             }
         }
+        Kind::SyncBitmap => {
+            let m = meta_of::<pb::SyncBitmap>(kind, meta)?;
+            let expected = usize::try_from(m.runs)
+                .ok()
+                .and_then(|runs| runs.checked_mul(RUN_LEN));
+            if expected != Some(data.len()) {
+                return Err(WireError::Invalid {
+                    kind,
+                    reason: "bitmap data length is not 16 bytes per run",
+                });
+            }
+            // The data section is at most MAX_DATA_LEN, so this allocation is bounded.
+            let runs = data
+                .chunks_exact(RUN_LEN)
+                .map(|run| {
+                    let (first, count) = run.split_at(8);
+                    (le64(first), le64(count))
+                })
+                .collect();
+            Message::SyncBitmap { runs }
+        }
+        Kind::SyncData => Message::SyncData {
+            offset: meta_of::<pb::SyncData>(kind, meta)?.offset,
+            data,
+        },
+        Kind::SyncAck => {
+            let m = meta_of::<pb::SyncAck>(kind, meta)?;
+            Message::SyncAck {
+                offset: m.offset,
+                status: status_of(m.error),
+            }
+        }
+        Kind::SyncCrc => {
+            let m = meta_of::<pb::SyncCrc>(kind, meta)?;
+            Message::SyncCrc {
+                offset: m.offset,
+                len: m.len,
+                crc: m.crc,
+                verify: m.verify,
+            }
+        }
+        Kind::SyncCrcReply => {
+            let m = meta_of::<pb::SyncCrcReply>(kind, meta)?;
+            Message::SyncCrcReply {
+                offset: m.offset,
+                equal: m.equal,
+                verify: m.verify,
+            }
+        }
+        Kind::SyncCheckpoint => Message::SyncCheckpoint {
+            id: meta_of::<pb::Token>(kind, meta)?.id,
+        },
+        Kind::SyncCheckpointAck => {
+            let (id, status) = reply_of(kind, meta)?;
+            Message::SyncCheckpointAck { id, status }
+        }
+        Kind::SyncDone => Message::SyncDone {
+            generations: generations_of(kind, meta_of::<pb::SyncDone>(kind, meta)?.generations)?,
+        },
         Kind::AuthChallenge | Kind::AuthResponse => return Err(WireError::UnexpectedKind(kind)),
     };
     validate(&msg)?;
@@ -374,20 +553,58 @@ fn build(kind: Kind, meta: &impl prost::Message, data: Bytes) -> Result<Frame, W
 fn reply(id: u64, status: Status) -> pb::Reply {
     pb::Reply {
         id,
-        error: match status {
-            Status::Ok => None,
-            Status::Failed(code) => Some(code),
-        },
+        error: error_of(status),
     }
 }
 
 fn reply_of(kind: Kind, meta: Bytes) -> Result<(u64, Status), WireError> {
     let m = meta_of::<pb::Reply>(kind, meta)?;
-    let status = match m.error {
+    Ok((m.id, status_of(m.error)))
+}
+
+/// A status as a reply's optional error field.
+fn error_of(status: Status) -> Option<u32> {
+    match status {
+        Status::Ok => None,
+        Status::Failed(code) => Some(code),
+    }
+}
+
+/// A reply's optional error field as a status.
+fn status_of(error: Option<u32>) -> Status {
+    match error {
         None => Status::Ok,
         Some(code) => Status::Failed(code),
-    };
-    Ok((m.id, status))
+    }
+}
+
+fn generations(g: &Generations) -> pb::Generations {
+    pb::Generations {
+        current: g.current,
+        bitmap: g.bitmap,
+        history: g.history.to_vec(),
+    }
+}
+
+/// Generations from a message field that must be present and hold two history entries.
+fn generations_of(kind: Kind, g: Option<pb::Generations>) -> Result<Generations, WireError> {
+    let invalid = |reason| WireError::Invalid { kind, reason };
+    let g = g.ok_or(invalid("generations missing"))?;
+    let history = <[u64; 2]>::try_from(g.history.as_slice())
+        .map_err(|_| invalid("generations history is not 2 entries"))?;
+    Ok(Generations {
+        current: g.current,
+        bitmap: g.bitmap,
+        history,
+    })
+}
+
+/// A little-endian u64 from the first 8 bytes (callers pass exactly 8; shorter input,
+/// which cannot happen, reads as 0 rather than panicking).
+fn le64(bytes: &[u8]) -> u64 {
+    bytes
+        .first_chunk::<8>()
+        .map_or(0, |b| u64::from_le_bytes(*b))
 }
 
 fn meta_of<M: prost::Message + Default>(kind: Kind, meta: Bytes) -> Result<M, WireError> {
@@ -454,6 +671,33 @@ mod tests {
             "decode copied the data"
         );
         assert!(buf.is_empty());
+    }
+
+    #[test]
+    fn sync_data_is_shared_on_encode_and_sliced_on_decode() {
+        let data = Bytes::from(vec![3u8; 8192]);
+        let msg = Message::SyncData {
+            offset: 1 << 20,
+            data: data.clone(),
+        };
+        let frame = encode(&msg).unwrap();
+        assert_eq!(
+            frame.data().as_ptr(),
+            data.as_ptr(),
+            "encode copied the data"
+        );
+
+        let mut buf = BytesMut::new();
+        encode_into(&msg, &mut buf).unwrap();
+        let range = buf.as_ptr() as usize..buf.as_ptr() as usize + buf.len();
+        let Some(Message::SyncData { data: got, .. }) = decode(&mut buf).unwrap() else {
+            panic!("not sync data");
+        };
+        assert_eq!(got, data);
+        assert!(
+            range.contains(&(got.as_ptr() as usize)),
+            "decode copied the data"
+        );
     }
 
     #[test]

@@ -13,8 +13,8 @@ pub const WIRE_VERSION: u8 = 1;
 pub const HEADER_LEN: usize = 20;
 /// Largest meta section a decoder accepts (64 KiB).
 pub const MAX_META_LEN: usize = 64 * 1024;
-/// Largest data section a decoder accepts (64 MiB): the largest write or read a frame
-/// carries.
+/// Largest data section a decoder accepts (64 MiB): the largest write, read or resync
+/// data a frame carries, and the largest encoded resync bitmap (4 Mi runs).
 pub const MAX_DATA_LEN: usize = 64 * 1024 * 1024;
 
 /// Byte range of the crc field inside the header; the crc covers the bytes before it.
@@ -47,6 +47,22 @@ pub enum Kind {
     Ping = 10,
     /// [`Message::Pong`].
     Pong = 11,
+    /// [`Message::SyncBitmap`].
+    SyncBitmap = 12,
+    /// [`Message::SyncData`].
+    SyncData = 13,
+    /// [`Message::SyncAck`].
+    SyncAck = 14,
+    /// [`Message::SyncCrc`].
+    SyncCrc = 15,
+    /// [`Message::SyncCrcReply`].
+    SyncCrcReply = 16,
+    /// [`Message::SyncCheckpoint`].
+    SyncCheckpoint = 17,
+    /// [`Message::SyncCheckpointAck`].
+    SyncCheckpointAck = 18,
+    /// [`Message::SyncDone`].
+    SyncDone = 19,
     /// Transport authentication: a challenge (never reaches the protocol).
     AuthChallenge = 64,
     /// Transport authentication: the answer to a challenge (never reaches the protocol).
@@ -68,6 +84,14 @@ impl Kind {
             9 => Kind::ReadReply,
             10 => Kind::Ping,
             11 => Kind::Pong,
+            12 => Kind::SyncBitmap,
+            13 => Kind::SyncData,
+            14 => Kind::SyncAck,
+            15 => Kind::SyncCrc,
+            16 => Kind::SyncCrcReply,
+            17 => Kind::SyncCheckpoint,
+            18 => Kind::SyncCheckpointAck,
+            19 => Kind::SyncDone,
             64 => Kind::AuthChallenge,
             65 => Kind::AuthResponse,
             _ => return None,
@@ -88,12 +112,24 @@ impl Kind {
             Message::ReadReply { .. } => Kind::ReadReply,
             Message::Ping { .. } => Kind::Ping,
             Message::Pong { .. } => Kind::Pong,
+            Message::SyncBitmap { .. } => Kind::SyncBitmap,
+            Message::SyncData { .. } => Kind::SyncData,
+            Message::SyncAck { .. } => Kind::SyncAck,
+            Message::SyncCrc { .. } => Kind::SyncCrc,
+            Message::SyncCrcReply { .. } => Kind::SyncCrcReply,
+            Message::SyncCheckpoint { .. } => Kind::SyncCheckpoint,
+            Message::SyncCheckpointAck { .. } => Kind::SyncCheckpointAck,
+            Message::SyncDone { .. } => Kind::SyncDone,
         }
     }
 
-    /// Whether frames of this kind may have a data section.
+    /// Whether frames of this kind may have a data section: write data, read data, a
+    /// resync bitmap's runs and resync data.
     pub fn carries_data(self) -> bool {
-        matches!(self, Kind::Write | Kind::ReadReply)
+        matches!(
+            self,
+            Kind::Write | Kind::ReadReply | Kind::SyncBitmap | Kind::SyncData
+        )
     }
 
     /// Whether frames of this kind may have a meta section.

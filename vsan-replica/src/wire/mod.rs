@@ -18,10 +18,12 @@
 //!      16     4  crc32      crc32 (IEEE, as crc32fast computes it) of header bytes
 //!                           0..16, then the meta, then the data
 //!      20     -  meta       a protobuf message (proto/replica.proto), by kind
-//!       -     -  data       raw bytes: write data or read data, never re-encoded
+//!       -     -  data       raw bytes: write, read or resync data, never re-encoded;
+//!                           or a resync bitmap's runs
 //! ```
 //!
-//! Integers in the header are big-endian. The frame's length is `20 + meta_len +
+//! Integers in the header are big-endian; the only integers in a data section, a
+//! `SyncBitmap`'s runs, are little-endian. The frame's length is `20 + meta_len +
 //! data_len`; frames follow each other with no padding.
 //!
 //! | kind | message              | meta (replica.proto)     | data            |
@@ -37,11 +39,25 @@
 //! | 9    | `ReadReply`          | `Reply`                  | the bytes read (none on failure) |
 //! | 10   | `Ping`               | `Token`                  | none            |
 //! | 11   | `Pong`               | `Token`                  | none            |
+//! | 12   | `SyncBitmap`         | `SyncBitmap`             | the runs: `runs` pairs of little-endian u64 (first chunk, count), 16 bytes each |
+//! | 13   | `SyncData`           | `SyncData`               | the bytes (never empty) |
+//! | 14   | `SyncAck`            | `SyncAck`                | none            |
+//! | 15   | `SyncCrc`            | `SyncCrc`                | none            |
+//! | 16   | `SyncCrcReply`       | `SyncCrcReply`           | none            |
+//! | 17   | `SyncCheckpoint`     | `Token`                  | none            |
+//! | 18   | `SyncCheckpointAck`  | `Reply`                  | none            |
+//! | 19   | `SyncDone`           | `SyncDone`               | none            |
 //! | 64   | transport: auth challenge | `AuthChallenge`     | none            |
 //! | 65   | transport: auth response  | `AuthResponse`      | none            |
 //!
 //! Kinds 64 and up belong to the transport (peer authentication before the first
 //! `Hello`) and never reach the protocol.
+//!
+//! A `SyncBitmap` frame's data section is exactly 16 times its meta's `runs` count;
+//! the runs are ascending and do not overlap (each starts at or after the previous
+//! one's end), and none is empty or ends past `u64::MAX`. The `Generations` in `Hello`
+//! and `SyncDone` are required and hold exactly two `history` entries. `Hello`'s
+//! `split_brain_policy` is a plain number here; the protocol judges it.
 //!
 //! # Versioning
 //!
@@ -61,7 +77,8 @@
 //! message is then checked by [`validate`] as every sent one is. After an error the
 //! stream cannot be resynchronised: the link is dropped.
 //!
-//! Decoded data is a zero-copy slice of the receive buffer.
+//! Decoded data (of a write, a read reply or resync data) is a zero-copy slice of the
+//! receive buffer; a `SyncBitmap`'s runs are parsed into a vector.
 
 mod codec;
 mod error;

@@ -1,0 +1,386 @@
+//! Metadata on a device: create, reopen, and every refusal, on a `MemDevice` and in a
+//! real file.
+
+use bytes::Bytes;
+use vsan_core::{BlockDevice, ErrorKind, Geometry, IoFlags, MemDevice};
+
+use super::*;
+use crate::protocol::{DiskId, GEN_JUST_CREATED};
+
+const GIB: u64 = 1 << 30;
+
+fn params() -> MetaParams {
+    MetaParams {
+        disk_id: DiskId::from_name("vol0"),
+        disk_name: "vol0".into(),
+        node_id: 1,
+        peer_id: 2,
+        size: GIB,
+        block_size: 512,
+        chunk_size: DEFAULT_CHUNK_SIZE,
+    }
+}
+
+fn device(len: u64) -> MemDevice {
+    MemDevice::new(Geometry::new(len, 512).unwrap())
+}
+
+/// A device holding freshly created metadata for `params()`.
+async fn created() -> (MemDevice, Loaded) {
+    let p = params();
+    let dev = device(Layout::new(p.size, p.chunk_size).total_len());
+    let loaded = create(&dev, &p).await.unwrap();
+    (dev, loaded)
+}
+
+/// Applies `f` to the bytes at `offset..offset + len` of `dev`.
+async fn patch(dev: &dyn BlockDevice, offset: u64, len: usize, f: impl FnOnce(&mut [u8])) {
+    let mut b = dev.read(offset, len).await.unwrap().to_vec();
+    f(&mut b);
+    dev.write(offset, Bytes::from(b), IoFlags::empty())
+        .await
+        .unwrap();
+}
+
+/// Copies the first `len` bytes of `from` to a new device of `dev_len` bytes.
+async fn copy_to(from: &MemDevice, len: u64, dev_len: u64) -> MemDevice {
+    let to = device(dev_len);
+    let b = from.read(0, len as usize).await.unwrap();
+    to.write(0, b, IoFlags::empty()).await.unwrap();
+    to
+}
+
+async fn open_err(dev: &dyn BlockDevice, p: &MetaParams) -> (ErrorKind, String) {
+    let e = open(dev, p).await.unwrap_err();
+    (e.kind(), e.to_string())
+}
+
+#[tokio::test]
+async fn create_then_open() {
+    let (dev, made) = created().await;
+    let sb = &made.superblock;
+    assert_eq!(sb.seq, 1);
+    assert_eq!(sb.generations.current, GEN_JUST_CREATED);
+    assert_eq!((sb.generations.bitmap, sb.generations.history), (0, [0, 0]));
+    assert!(!sb.inconsistent && !sb.crashed && sb.clean_shutdown);
+    assert_eq!((made.al_seq, made.al.len()), (1, 0));
+    assert_eq!(made.bitmap.count(), 0);
+
+    let got = open(&dev, &params()).await.unwrap();
+    assert_eq!(got.superblock, made.superblock);
+    assert_eq!(got.layout, made.layout);
+    assert_eq!((got.al_seq, got.al), (1, vec![]));
+    assert_eq!(got.bitmap, made.bitmap);
+    assert_eq!(got.bitmap.chunks(), 16384);
+}
+
+#[tokio::test]
+async fn writes_survive_reopen_and_the_newest_copy_wins() {
+    let (dev, mut m) = created().await;
+    let l = m.layout;
+    m.bitmap.set(3);
+    m.bitmap.set(16383);
+    write_bitmap_block(&dev, &l, &m.bitmap, Bitmap::block_of(3))
+        .await
+        .unwrap();
+    write_al(&dev, &l, 2, &[7, 9]).await.unwrap();
+    write_al(&dev, &l, 3, &[9, 200]).await.unwrap();
+    let mut sb = m.superblock.clone();
+    sb.seq = 2;
+    sb.clean_shutdown = false;
+    sb.generations.current = 1234;
+    write_superblock(&dev, &l, &sb).await.unwrap();
+    assert!(write_bitmap_block(&dev, &l, &m.bitmap, 1).await.is_err());
+
+    let got = open(&dev, &params()).await.unwrap();
+    assert_eq!(got.superblock, sb);
+    assert_eq!((got.al_seq, got.al), (3, vec![9, 200]));
+    assert_eq!(got.bitmap.runs(), vec![(3, 1), (16383, 1)]);
+}
+
+#[tokio::test]
+async fn create_refuses_a_device_of_the_wrong_size() {
+    let dev = device(8192);
+    let e = create(&dev, &params()).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+    assert!(e.to_string().contains("the layout needs 20480"), "{e}");
+}
+
+#[tokio::test]
+async fn bad_params_are_refused_before_any_io() {
+    let dev = device(20480);
+    let mut p = params();
+    p.chunk_size = 1000;
+    let (kind, msg) = open_err(&dev, &p).await;
+    assert_eq!(kind, ErrorKind::InvalidArgument);
+    assert!(
+        msg.contains("\"vol0\"") && msg.contains("chunk size 1000"),
+        "{msg}"
+    );
+    let mut p = params();
+    p.disk_name = "x".repeat(256);
+    assert_eq!(
+        create(&dev, &p).await.unwrap_err().kind(),
+        ErrorKind::InvalidArgument
+    );
+    // Nothing was written.
+    assert_eq!(dev.allocated_bytes(), 0);
+}
+
+#[tokio::test]
+async fn truncated_and_longer_metadata_is_corrupt() {
+    let (dev, _) = created().await;
+    let short = copy_to(&dev, 8192, 8192).await;
+    let (kind, msg) = open_err(&short, &params()).await;
+    assert_eq!(kind, ErrorKind::Corrupt);
+    assert!(
+        msg.contains("metadata for disk \"vol0\" is truncated: 8192 bytes, the layout needs 20480"),
+        "{msg}"
+    );
+    let tiny = copy_to(&dev, 4096, 4096).await;
+    let (kind, msg) = open_err(&tiny, &params()).await;
+    assert_eq!(kind, ErrorKind::Corrupt);
+    assert!(msg.contains("truncated: 4096 bytes"), "{msg}");
+    let long = copy_to(&dev, 20480, 24576).await;
+    let (kind, msg) = open_err(&long, &params()).await;
+    assert_eq!(kind, ErrorKind::Corrupt);
+    assert!(msg.contains("24576 bytes, longer than the 20480"), "{msg}");
+}
+
+#[tokio::test]
+async fn both_superblocks_corrupt_is_refused_with_each_reason() {
+    let (dev, m) = created().await;
+    let l = m.layout;
+    patch(&dev, l.superblock_offset(0), META_BLOCK, |b| b.fill(0)).await;
+    patch(&dev, l.superblock_offset(1), META_BLOCK, |b| b[50] ^= 0x40).await;
+    let (kind, msg) = open_err(&dev, &params()).await;
+    assert_eq!(kind, ErrorKind::Corrupt);
+    assert!(msg.contains("both superblock copies are corrupt"), "{msg}");
+    assert!(msg.contains("copy 0: bad magic"), "{msg}");
+    assert!(msg.contains("copy 1: crc mismatch"), "{msg}");
+    assert!(msg.contains("\"vol0\""), "{msg}");
+}
+
+#[tokio::test]
+async fn one_bad_superblock_copy_opens_with_the_other() {
+    let (dev, m) = created().await;
+    let l = m.layout;
+    // A torn write of the newer copy (seq 1): the older one is used.
+    patch(&dev, l.superblock_offset(1), 512, |b| b[20] ^= 1).await;
+    let got = open(&dev, &params()).await.unwrap();
+    assert_eq!(got.superblock.seq, 0);
+    assert_eq!(
+        got.superblock,
+        Superblock {
+            seq: 0,
+            ..m.superblock.clone()
+        }
+    );
+    // The older copy bad instead: the newer one is used.
+    let (dev, m) = created().await;
+    patch(&dev, l.superblock_offset(0), 512, |b| b[0] = b'X').await;
+    assert_eq!(
+        open(&dev, &params()).await.unwrap().superblock,
+        m.superblock
+    );
+}
+
+#[tokio::test]
+async fn a_copy_in_the_wrong_slot_is_not_trusted() {
+    let (dev, m) = created().await;
+    let l = m.layout;
+    // Copy 0 holding an odd seq newer than copy 1: not written by this code.
+    let stray = Superblock {
+        seq: 5,
+        ..m.superblock.clone()
+    };
+    dev.write(l.superblock_offset(0), stray.encode(), IoFlags::empty())
+        .await
+        .unwrap();
+    assert_eq!(open(&dev, &params()).await.unwrap().superblock.seq, 1);
+}
+
+#[tokio::test]
+async fn metadata_of_another_disk_is_refused() {
+    let (dev, _) = created().await;
+    let mut p = params();
+    p.disk_name = "vol1".into();
+    p.disk_id = DiskId::from_name("vol1");
+    let (kind, msg) = open_err(&dev, &p).await;
+    assert_eq!(kind, ErrorKind::InvalidArgument);
+    assert!(msg.contains("belongs to disk \"vol0\""), "{msg}");
+    assert!(msg.contains("\"vol1\""), "{msg}");
+    // Same name, another id.
+    let mut p = params();
+    p.disk_id = DiskId([1; 16]);
+    let (kind, msg) = open_err(&dev, &p).await;
+    assert_eq!(kind, ErrorKind::InvalidArgument);
+    assert!(msg.contains("belongs to disk"), "{msg}");
+}
+
+#[tokio::test]
+async fn each_field_mismatch_names_the_field_and_both_values() {
+    let (dev, _) = created().await;
+    type Tweak = fn(&mut MetaParams);
+    let cases: [(Tweak, &str); 5] = [
+        (
+            |p| p.node_id = 3,
+            "node id 1 in the metadata, 3 in the config",
+        ),
+        (
+            |p| p.peer_id = 7,
+            "peer id 2 in the metadata, 7 in the config",
+        ),
+        (
+            |p| p.size = 2 * GIB,
+            "size 1073741824 in the metadata, 2147483648 in the config",
+        ),
+        (
+            |p| p.block_size = 4096,
+            "block size 512 in the metadata, 4096 in the config",
+        ),
+        (
+            |p| p.chunk_size = 131072,
+            "chunk size 65536 in the metadata, 131072 in the config",
+        ),
+    ];
+    for (tweak, want) in cases {
+        let mut p = params();
+        tweak(&mut p);
+        let (kind, msg) = open_err(&dev, &p).await;
+        assert_eq!(kind, ErrorKind::InvalidArgument, "{msg}");
+        assert!(msg.contains(want), "{msg}");
+        assert!(msg.contains("\"vol0\""), "{msg}");
+    }
+}
+
+#[tokio::test]
+async fn a_config_change_that_moves_the_layout_names_the_field() {
+    // 4 TiB at 64 KiB needs 2048 bitmap blocks, at 128 KiB 1024: the file length differs
+    // too, but the error names the chunk size rather than calling the file truncated.
+    let mut p = params();
+    p.size = 4 << 40;
+    let len = Layout::new(p.size, p.chunk_size).total_len();
+    let dev = device(len);
+    create(&dev, &p).await.unwrap();
+    p.chunk_size = 131072;
+    let (kind, msg) = open_err(&dev, &p).await;
+    assert_eq!(kind, ErrorKind::InvalidArgument);
+    assert!(msg.contains("chunk size 65536 in the metadata"), "{msg}");
+}
+
+#[tokio::test]
+async fn activity_log_copies() {
+    let (dev, m) = created().await;
+    let l = m.layout;
+    write_al(&dev, &l, 2, &[5]).await.unwrap();
+    // Newest copy (seq 2, copy 0) torn: the older (seq 1, empty) is used.
+    patch(&dev, l.al_offset(2), 512, |b| b[24] ^= 1).await;
+    let got = open(&dev, &params()).await.unwrap();
+    assert_eq!((got.al_seq, got.al), (1, vec![]));
+    // Both bad: refused.
+    patch(&dev, l.al_offset(1), 512, |b| b[0] ^= 1).await;
+    let (kind, msg) = open_err(&dev, &params()).await;
+    assert_eq!(kind, ErrorKind::Corrupt);
+    assert!(
+        msg.contains("both activity log copies are corrupt"),
+        "{msg}"
+    );
+    assert!(
+        msg.contains("copy 0: crc mismatch") && msg.contains("copy 1: bad magic"),
+        "{msg}"
+    );
+}
+
+mod file {
+    use super::*;
+
+    async fn file_err(path: &std::path::Path, p: &MetaParams) -> vsan_core::Error {
+        match open_or_create_file(path, p).await {
+            Ok(_) => panic!("{} opened", path.display()),
+            Err(e) => e,
+        }
+    }
+
+    #[tokio::test]
+    async fn create_then_reopen_in_a_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("vol0.meta");
+        let p = params();
+        let (dev, made, created) = open_or_create_file(&path, &p).await.unwrap();
+        assert!(created);
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), 20480);
+        assert_eq!(dev.geometry().block_size(), 512);
+        assert_eq!(made.superblock.seq, 1);
+        // Nothing left under the temporary name.
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+
+        let mut bm = made.bitmap.clone();
+        bm.set(100);
+        write_bitmap_block(dev.as_ref(), &made.layout, &bm, 0)
+            .await
+            .unwrap();
+        drop(dev);
+
+        let (_dev, got, created) = open_or_create_file(&path, &p).await.unwrap();
+        assert!(!created);
+        assert_eq!(got.superblock, made.superblock);
+        assert_eq!(got.bitmap.runs(), vec![(100, 1)]);
+    }
+
+    #[tokio::test]
+    async fn a_damaged_file_is_refused_and_left_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("vol0.meta");
+        let p = params();
+        drop(open_or_create_file(&path, &p).await.unwrap());
+
+        let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        f.set_len(8192).unwrap();
+        let e = file_err(&path, &p).await;
+        assert_eq!(e.kind(), ErrorKind::Corrupt);
+        let msg = e.to_string();
+        assert!(msg.contains(&path.display().to_string()), "{msg}");
+        assert!(
+            msg.contains("is truncated: 8192 bytes, the layout needs 20480"),
+            "{msg}"
+        );
+
+        // Too short to hold the superblocks, or not a whole number of blocks.
+        for len in [100, 5000, 20480 + 7] {
+            f.set_len(len).unwrap();
+            let e = file_err(&path, &p).await;
+            assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
+        }
+        // Never re-initialised: the file is as the failed opens found it.
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), 20480 + 7);
+    }
+
+    #[tokio::test]
+    async fn both_superblocks_zeroed_in_a_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("vol0.meta");
+        let p = params();
+        drop(open_or_create_file(&path, &p).await.unwrap());
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[..2 * META_BLOCK].fill(0);
+        std::fs::write(&path, &bytes).unwrap();
+        let e = file_err(&path, &p).await;
+        assert_eq!(e.kind(), ErrorKind::Corrupt);
+        assert!(
+            e.to_string().contains("both superblock copies are corrupt"),
+            "{e}"
+        );
+        assert_eq!(std::fs::read(&path).unwrap(), bytes);
+    }
+
+    #[tokio::test]
+    async fn a_stale_half_made_file_is_replaced() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("vol0.meta");
+        std::fs::write(dir.path().join("vol0.meta.creating"), b"half").unwrap();
+        let (_dev, _, created) = open_or_create_file(&path, &params()).await.unwrap();
+        assert!(created);
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
+}

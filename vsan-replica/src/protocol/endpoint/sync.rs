@@ -1,0 +1,851 @@
+//! Resync and online verify: the part of the [`Endpoint`] that copies out-of-sync
+//! chunks from the sync source to the target while both keep serving I/O.
+//!
+//! ## How a chunk travels
+//! The source reads the chunk through the apply list, so the read waits for every
+//! earlier overlapping write and later overlapping own writes wait for the read: the
+//! data it sends holds every write the peer will see before it (the link is FIFO) and
+//! none it will see after. The target writes it through the apply list too, except
+//! where one of its own writes has not been acknowledged by the source yet (the source
+//! read the chunk before applying that write, which is newer): those bytes are kept.
+//! Reads on the target for chunks not yet synced go to the source.
+//!
+//! In a checksum resync (full syncs) and an online verify the source sends the
+//! chunk's crc32 first; the target compares it with its own and only a differing
+//! chunk's data travels.
+//!
+//! ## Progress that survives
+//! The source clears a chunk's bit only after a checkpoint: it asks the target to
+//! flush what it wrote and persist its cleared bits, and on the answer persists its own.
+//! An interrupted resync therefore resumes from the last checkpoint, on either side.
+//! When no bit is left, the source moves its bitmap generation to history and sends
+//! its generations; the target takes them and is consistent again.
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tracing::{info, warn};
+use vsan_core::ErrorKind;
+
+use super::{Alone, ApplyKind, Endpoint, Event, LinkState, MetaWaiter, QuorumPolicy, ResyncRate};
+use crate::meta::Bitmap;
+use crate::protocol::message::{GEN_JUST_CREATED, Message, Status};
+use crate::protocol::ranges::{Range, subtract};
+
+/// Which end of a resync this node is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SyncRole {
+    /// Sends data (or, for verify, starts the comparison).
+    Source,
+    /// Receives data.
+    Target,
+}
+
+/// What kind of pass runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SyncKind {
+    /// Copy the chunks both bitmaps mark.
+    Bitmap,
+    /// Full sync: compare every chunk by crc, copy the ones that differ.
+    Checksum,
+    /// Online verify: compare every chunk by crc while in sync, repair mismatches from
+    /// the node that started it.
+    Verify,
+}
+
+impl std::fmt::Display for SyncKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            SyncKind::Bitmap => "resync",
+            SyncKind::Checksum => "checksum resync",
+            SyncKind::Verify => "verify",
+        })
+    }
+}
+
+/// Where a running resync or verify stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SyncProgress {
+    /// This node's role.
+    pub role: SyncRole,
+    /// The kind of pass.
+    pub kind: SyncKind,
+    /// Bytes the pass goes through.
+    pub total_bytes: u64,
+    /// Bytes done.
+    pub done_bytes: u64,
+    /// Data bytes sent (source) or received (target) so far.
+    pub transferred_bytes: u64,
+    /// Since the pass started.
+    pub elapsed: Duration,
+    /// Bytes done per second so far.
+    pub rate: u64,
+    /// Estimated time left at that rate.
+    pub eta: Option<Duration>,
+    /// Verify: chunks found different so far.
+    pub mismatches: u64,
+}
+
+impl SyncProgress {
+    /// Bytes left.
+    pub fn remaining_bytes(&self) -> u64 {
+        self.total_bytes.saturating_sub(self.done_bytes)
+    }
+
+    /// Done, in percent.
+    pub fn percent(&self) -> f64 {
+        if self.total_bytes == 0 {
+            100.0
+        } else {
+            self.done_bytes as f64 * 100.0 / self.total_bytes as f64
+        }
+    }
+}
+
+/// How a resync or verify ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SyncSummary {
+    /// This node's role.
+    pub role: SyncRole,
+    /// The kind of pass.
+    pub kind: SyncKind,
+    /// Ran to the end (false: interrupted; it resumes on the next connection).
+    pub completed: bool,
+    /// Bytes the pass went through.
+    pub total_bytes: u64,
+    /// Bytes done.
+    pub done_bytes: u64,
+    /// Data bytes sent (source) or received (target).
+    pub transferred_bytes: u64,
+    /// Chunks found different (verify and checksum resync).
+    pub mismatches: u64,
+    /// How long it ran.
+    pub elapsed: Duration,
+}
+
+/// What a resync read is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(in crate::protocol) enum ReadMode {
+    Data,
+    Crc,
+    Verify,
+}
+
+#[derive(Debug, Clone)]
+pub(in crate::protocol) struct SyncRun {
+    pub(super) role: SyncRole,
+    kind: SyncKind,
+    started: Instant,
+    got_peer_bitmap: bool,
+    /// Target: metadata generation (inconsistent flag, merged bitmap) to be durable
+    /// before resync data is written.
+    gate: u64,
+    cursor: u64,
+    inflight: HashSet<u64>,
+    /// Source: chunks done since the last checkpoint was sent.
+    acked: Vec<u64>,
+    /// Source: acked or in the running checkpoint (bits still set until it is durable).
+    pending_clear: HashSet<u64>,
+    checkpoint: Option<(u64, Vec<u64>)>,
+    next_checkpoint: u64,
+    last_checkpoint: Instant,
+    total_bytes: u64,
+    done_bytes: u64,
+    transferred_bytes: u64,
+    mismatches: u64,
+    budget: f64,
+    last_refill: Instant,
+}
+
+impl SyncRun {
+    fn new(role: SyncRole, kind: SyncKind, now: Instant) -> SyncRun {
+        SyncRun {
+            role,
+            kind,
+            started: now,
+            got_peer_bitmap: false,
+            gate: 0,
+            cursor: 0,
+            inflight: HashSet::new(),
+            acked: Vec::new(),
+            pending_clear: HashSet::new(),
+            checkpoint: None,
+            next_checkpoint: 1,
+            last_checkpoint: now,
+            total_bytes: 0,
+            done_bytes: 0,
+            transferred_bytes: 0,
+            mismatches: 0,
+            budget: 0.0,
+            last_refill: now,
+        }
+    }
+
+    fn summary(&self, now: Instant, completed: bool) -> SyncSummary {
+        SyncSummary {
+            role: self.role,
+            kind: self.kind,
+            completed,
+            total_bytes: self.total_bytes,
+            done_bytes: self.done_bytes,
+            transferred_bytes: self.transferred_bytes,
+            mismatches: self.mismatches,
+            elapsed: now.saturating_duration_since(self.started),
+        }
+    }
+}
+
+/// App I/O this recent makes a dynamic-rate resync yield.
+const APP_QUIET: Duration = Duration::from_millis(5);
+
+impl Endpoint {
+    /// Where the running resync or verify stands, if one runs.
+    /// (`None` until both bitmaps are exchanged and the amount of work is known.)
+    pub fn sync_progress(&self, now: Instant) -> Option<SyncProgress> {
+        let s = self.sync.as_ref().filter(|s| s.got_peer_bitmap)?;
+        let elapsed = now.saturating_duration_since(s.started);
+        let secs = elapsed.as_secs_f64();
+        let rate = if secs > 0.0 {
+            (s.done_bytes as f64 / secs) as u64
+        } else {
+            0
+        };
+        let left = s.total_bytes.saturating_sub(s.done_bytes);
+        let eta = (rate > 0).then(|| Duration::from_secs_f64(left as f64 / rate as f64));
+        Some(SyncProgress {
+            role: s.role,
+            kind: s.kind,
+            total_bytes: s.total_bytes,
+            done_bytes: s.done_bytes,
+            transferred_bytes: s.transferred_bytes,
+            elapsed,
+            rate,
+            eta,
+            mismatches: s.mismatches,
+        })
+    }
+
+    /// How the last resync or verify ended.
+    pub fn last_sync(&self) -> Option<SyncSummary> {
+        self.last_sync
+    }
+
+    /// Start an online verify from this node: every chunk's crc is compared with the
+    /// peer's while the disk stays in use; chunks that differ are marked out of sync
+    /// and copied from this node. Fails when not connected or a resync runs.
+    pub fn start_verify(&mut self, now: Instant) -> Result<(), String> {
+        if self.state != LinkState::Connected {
+            return Err("verify needs a connected peer".into());
+        }
+        if let Some(s) = &self.sync {
+            return Err(format!("a {} is running", s.kind));
+        }
+        let mut run = SyncRun::new(SyncRole::Source, SyncKind::Verify, now);
+        run.got_peer_bitmap = true;
+        run.total_bytes = self.cfg.size;
+        info!(disk = %self.cfg.disk_name, "online verify started ({} bytes)", self.cfg.size);
+        self.events.push_back(Event::SyncStarted {
+            role: SyncRole::Source,
+            kind: SyncKind::Verify,
+            total_bytes: run.total_bytes,
+        });
+        self.sync = Some(run);
+        self.sync_pump(now);
+        Ok(())
+    }
+
+    pub(super) fn start_sync(&mut self, now: Instant, role: SyncRole, full: bool) {
+        let kind = if full {
+            SyncKind::Checksum
+        } else {
+            SyncKind::Bitmap
+        };
+        if full {
+            self.meta.bitmap.set_all();
+            self.meta
+                .dirty_blocks
+                .extend(0..self.meta.layout.bitmap_blocks());
+        }
+        if role == SyncRole::Target && !self.meta.sb.inconsistent {
+            self.meta.sb.inconsistent = true;
+            self.meta.dirty_sb = true;
+        }
+        self.meta_touch();
+        let runs = self.meta.bitmap.runs();
+        self.send(now, Message::SyncBitmap { runs });
+        info!(disk = %self.cfg.disk_name, "{kind} starting as {role:?}; {} chunks marked here", self.meta.bitmap.count());
+        self.sync = Some(SyncRun::new(role, kind, now));
+    }
+
+    pub(super) fn abort_sync(&mut self, now: Instant, why: &str) {
+        let Some(s) = self.sync.take() else {
+            return;
+        };
+        let summary = s.summary(now, false);
+        warn!(
+            disk = %self.cfg.disk_name,
+            "{} interrupted ({why}) after {} of {} bytes; it resumes on the next connection",
+            s.kind, s.done_bytes, s.total_bytes
+        );
+        self.last_sync = Some(summary);
+        self.events.push_back(Event::SyncEnded(summary));
+    }
+
+    fn chunk_of(&self, offset: u64) -> Option<u64> {
+        let cs = self.meta.layout.chunk_size();
+        (offset % cs == 0 && offset < self.cfg.size).then_some(offset / cs)
+    }
+
+    fn chunk_len(&self, chunk: u64) -> u64 {
+        self.meta.layout.chunk_range(chunk).1
+    }
+
+    /// Target: a chunk now holds the source's data (persisted at the next checkpoint).
+    fn clear_synced(&mut self, chunk: u64) {
+        if self.meta.bitmap.clear(chunk) {
+            self.meta.cleared_blocks.insert(Bitmap::block_of(chunk));
+            let len = self.chunk_len(chunk);
+            if let Some(s) = self.sync.as_mut() {
+                s.done_bytes += len;
+            }
+        }
+    }
+
+    pub(super) fn sync_message(&mut self, now: Instant, msg: Message) {
+        match msg {
+            Message::SyncBitmap { runs } => {
+                let chunks = self.meta.layout.chunks();
+                if runs.iter().any(|(f, n)| f.saturating_add(*n) > chunks) {
+                    return self.protocol_violation(now, "bitmap runs past the disk".into());
+                }
+                let Some(s) = self.sync.as_ref() else {
+                    return self.protocol_violation(now, "bitmap without a resync".into());
+                };
+                if s.got_peer_bitmap {
+                    return self.protocol_violation(now, "second bitmap".into());
+                }
+                let mut changed = false;
+                for (first, count) in &runs {
+                    for c in *first..first + count {
+                        if self.meta.bitmap.set(c) {
+                            self.meta.dirty_blocks.insert(Bitmap::block_of(c));
+                            changed = true;
+                        }
+                    }
+                }
+                let gate = if changed {
+                    self.meta_touch()
+                } else {
+                    self.meta.requested
+                };
+                let count = self.meta.bitmap.count();
+                let total = (count * self.meta.layout.chunk_size()).min(self.cfg.size);
+                let Some(s) = self.sync.as_mut() else { return };
+                s.got_peer_bitmap = true;
+                s.gate = gate;
+                s.total_bytes = total;
+                let (role, kind) = (s.role, s.kind);
+                info!(disk = %self.cfg.disk_name, "{kind} as {role:?}: {count} chunks ({total} bytes) to go through");
+                self.events.push_back(Event::SyncStarted {
+                    role,
+                    kind,
+                    total_bytes: total,
+                });
+                self.sync_pump(now);
+            }
+            Message::SyncData { offset, data } => {
+                let Some(chunk) = self.chunk_of(offset) else {
+                    return self.protocol_violation(now, format!("resync data at {offset}"));
+                };
+                if data.len() as u64 != self.chunk_len(chunk) {
+                    return self.protocol_violation(
+                        now,
+                        format!("resync data of {} bytes at {offset}", data.len()),
+                    );
+                }
+                if let Some(s) = self.sync.as_mut() {
+                    s.transferred_bytes += data.len() as u64;
+                }
+                if self.detached {
+                    return self.send(
+                        now,
+                        Message::SyncAck {
+                            offset,
+                            status: Status::Failed(ErrorKind::Io as u32),
+                        },
+                    );
+                }
+                let range = Range::new(offset, data.len() as u64);
+                let ranges = subtract(range, &self.unacked_own_ranges());
+                if ranges.is_empty() {
+                    self.clear_synced(chunk);
+                    return self.send(
+                        now,
+                        Message::SyncAck {
+                            offset,
+                            status: Status::Ok,
+                        },
+                    );
+                }
+                let gate = self.sync.as_ref().map_or(0, |s| s.gate);
+                self.push_apply(ApplyKind::SyncWrite { offset, data }, ranges, gate);
+            }
+            Message::SyncAck { offset, status } => {
+                let Some(chunk) = self.chunk_of(offset) else {
+                    return self.protocol_violation(now, format!("resync ack at {offset}"));
+                };
+                let len = self.chunk_len(chunk);
+                let Some(s) = self.sync.as_mut().filter(|s| s.role == SyncRole::Source) else {
+                    return;
+                };
+                if !s.inflight.remove(&chunk) {
+                    return;
+                }
+                match status {
+                    Status::Ok => {
+                        s.acked.push(chunk);
+                        s.pending_clear.insert(chunk);
+                        if s.kind != SyncKind::Verify {
+                            s.done_bytes += len;
+                        }
+                    }
+                    Status::Failed(code) => {
+                        warn!(disk = %self.cfg.disk_name, "peer failed to write resync chunk {chunk} (error {code}); retried later");
+                    }
+                }
+                self.sync_pump(now);
+            }
+            Message::SyncCrc {
+                offset,
+                len,
+                crc,
+                verify,
+            } => {
+                let Some(chunk) = self.chunk_of(offset) else {
+                    return self.protocol_violation(now, format!("checksum at {offset}"));
+                };
+                if u64::from(len) != self.chunk_len(chunk) {
+                    return self.protocol_violation(now, format!("checksum of {len} bytes"));
+                }
+                if self.detached {
+                    return self.send(
+                        now,
+                        Message::SyncCrcReply {
+                            offset,
+                            equal: false,
+                            verify,
+                        },
+                    );
+                }
+                let range = Range::new(offset, u64::from(len));
+                self.push_apply(
+                    ApplyKind::SyncCompare {
+                        offset,
+                        len,
+                        crc,
+                        verify,
+                    },
+                    vec![range],
+                    0,
+                );
+            }
+            Message::SyncCrcReply {
+                offset,
+                equal,
+                verify,
+            } => {
+                let Some(chunk) = self.chunk_of(offset) else {
+                    return self.protocol_violation(now, format!("checksum reply at {offset}"));
+                };
+                let len = self.chunk_len(chunk);
+                let Some(s) = self.sync.as_mut().filter(|s| s.role == SyncRole::Source) else {
+                    return;
+                };
+                if !s.inflight.contains(&chunk) {
+                    return;
+                }
+                if equal {
+                    s.inflight.remove(&chunk);
+                    s.done_bytes += len;
+                    if !verify {
+                        s.acked.push(chunk);
+                        s.pending_clear.insert(chunk);
+                    }
+                } else {
+                    s.mismatches += 1;
+                    if verify {
+                        s.done_bytes += len;
+                        warn!(disk = %self.cfg.disk_name, "verify: chunk {chunk} (offset {offset}) differs from the peer's; repairing from this node");
+                        if self.meta.bitmap.set(chunk) {
+                            self.meta.dirty_blocks.insert(Bitmap::block_of(chunk));
+                            self.meta_touch();
+                        }
+                    }
+                    let (offset, len) = self.meta.layout.chunk_range(chunk);
+                    self.push_apply(
+                        ApplyKind::SyncRead {
+                            offset,
+                            len: len as u32,
+                            mode: ReadMode::Data,
+                        },
+                        vec![Range::new(offset, len)],
+                        0,
+                    );
+                }
+                self.sync_pump(now);
+            }
+            Message::SyncCheckpoint { id } => {
+                let cleared = std::mem::take(&mut self.meta.cleared_blocks);
+                self.meta.dirty_blocks.extend(cleared);
+                self.meta.flush_data = true;
+                let mgen = self.meta_touch();
+                self.meta
+                    .waiters
+                    .push((mgen, MetaWaiter::CheckpointAck(id)));
+            }
+            Message::SyncCheckpointAck { id, status } => {
+                let Some(s) = self.sync.as_mut() else { return };
+                let Some((cp, chunks)) = s.checkpoint.take() else {
+                    return;
+                };
+                if cp != id {
+                    s.checkpoint = Some((cp, chunks));
+                    return self.protocol_violation(now, format!("ack for checkpoint {id}"));
+                }
+                for c in &chunks {
+                    s.pending_clear.remove(c);
+                }
+                if status == Status::Ok {
+                    for c in chunks {
+                        if self.meta.bitmap.clear(c) {
+                            self.meta.dirty_blocks.insert(Bitmap::block_of(c));
+                        }
+                    }
+                    self.meta_touch();
+                } else {
+                    warn!(disk = %self.cfg.disk_name, "peer failed a resync checkpoint; those chunks are copied again");
+                }
+                self.sync_pump(now);
+            }
+            Message::SyncDone { generations } => {
+                let summary = match self.sync.take() {
+                    Some(s) if s.role == SyncRole::Target => s.summary(now, true),
+                    other => {
+                        self.sync = other;
+                        return self.protocol_violation(now, "resync done unexpectedly".into());
+                    }
+                };
+                self.meta.sb.generations = generations;
+                self.meta.sb.inconsistent = false;
+                self.meta.sb.crashed = false;
+                self.meta.dirty_sb = true;
+                if self.meta.bitmap.count() > 0 {
+                    self.meta.bitmap = Bitmap::new(self.meta.layout.chunks());
+                    self.meta
+                        .dirty_blocks
+                        .extend(0..self.meta.layout.bitmap_blocks());
+                }
+                let cleared = std::mem::take(&mut self.meta.cleared_blocks);
+                self.meta.dirty_blocks.extend(cleared);
+                self.meta.flush_data = true;
+                self.meta_touch();
+                info!(
+                    disk = %self.cfg.disk_name,
+                    "{} done as target: {} bytes received in {:?}; in sync",
+                    summary.kind, summary.transferred_bytes, summary.elapsed
+                );
+                self.last_sync = Some(summary);
+                self.events.push_back(Event::SyncEnded(summary));
+                if self.cfg.quorum.is_some() {
+                    self.events.push_back(Event::ReleaseQuorum);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// A resync read, write or compare finished on the local replica.
+    pub(super) fn sync_apply_done(
+        &mut self,
+        now: Instant,
+        kind: ApplyKind,
+        outcome: Result<(), ErrorKind>,
+        data: Option<Bytes>,
+    ) {
+        let connected = self.state == LinkState::Connected;
+        match kind {
+            ApplyKind::SyncWrite { offset, .. } => {
+                if outcome.is_ok()
+                    && let Some(chunk) = self.chunk_of(offset)
+                {
+                    self.clear_synced(chunk);
+                }
+                if connected {
+                    self.send(
+                        now,
+                        Message::SyncAck {
+                            offset,
+                            status: super::status_of(outcome),
+                        },
+                    );
+                }
+            }
+            ApplyKind::SyncRead { offset, len, mode } => {
+                let Some(chunk) = self.chunk_of(offset) else {
+                    return;
+                };
+                let data = match (outcome, data) {
+                    (Ok(()), Some(d)) if d.len() == len as usize => d,
+                    _ => {
+                        if let Some(s) = self.sync.as_mut() {
+                            s.inflight.remove(&chunk);
+                        }
+                        return self.abort_sync(now, "reading the local replica failed");
+                    }
+                };
+                if !connected || self.sync.is_none() {
+                    return;
+                }
+                let msg = match mode {
+                    ReadMode::Data => {
+                        if let Some(s) = self.sync.as_mut() {
+                            s.transferred_bytes += data.len() as u64;
+                        }
+                        Message::SyncData { offset, data }
+                    }
+                    ReadMode::Crc | ReadMode::Verify => Message::SyncCrc {
+                        offset,
+                        len,
+                        crc: crc32fast::hash(&data),
+                        verify: mode == ReadMode::Verify,
+                    },
+                };
+                self.send(now, msg);
+            }
+            ApplyKind::SyncCompare {
+                offset,
+                crc,
+                verify,
+                ..
+            } => {
+                let Some(chunk) = self.chunk_of(offset) else {
+                    return;
+                };
+                let equal = outcome.is_ok() && data.is_some_and(|d| crc32fast::hash(&d) == crc);
+                if !verify && equal {
+                    self.clear_synced(chunk);
+                }
+                if verify && !equal && self.meta.bitmap.set(chunk) {
+                    self.meta.dirty_blocks.insert(Bitmap::block_of(chunk));
+                    self.meta_touch();
+                }
+                if connected {
+                    self.send(
+                        now,
+                        Message::SyncCrcReply {
+                            offset,
+                            equal,
+                            verify,
+                        },
+                    );
+                }
+            }
+            ApplyKind::Own(_) | ApplyKind::Peer(_) => {}
+        }
+    }
+
+    fn app_busy(&self, now: Instant) -> bool {
+        !self.own_writes.is_empty()
+            || !self.peer_writes.is_empty()
+            || !self.local_reads.is_empty()
+            || now.saturating_duration_since(self.last_app_io) < APP_QUIET
+    }
+
+    fn sync_cap(&self) -> u64 {
+        match self.cfg.resync.rate {
+            ResyncRate::Fixed(r) => r.max(1),
+            ResyncRate::Dynamic { max } => max,
+        }
+    }
+
+    /// Source: start chunk reads while the window and the rate allow, checkpoint, and
+    /// finish when nothing is left.
+    pub(super) fn sync_pump(&mut self, now: Instant) {
+        if self.state != LinkState::Connected {
+            return;
+        }
+        let chunks = self.meta.layout.chunks();
+        let cap = self.sync_cap();
+        let window = match self.cfg.resync.rate {
+            ResyncRate::Dynamic { .. } if self.app_busy(now) => 1,
+            _ => self.cfg.resync.window.max(1),
+        };
+        loop {
+            let Some(s) = self.sync.as_mut() else { return };
+            if s.role != SyncRole::Source || !s.got_peer_bitmap || s.inflight.len() >= window {
+                break;
+            }
+            let chunk_bytes = self.meta.layout.chunk_size() as f64;
+            if cap > 0 {
+                let dt = now.saturating_duration_since(s.last_refill).as_secs_f64();
+                s.last_refill = now;
+                let burst = (cap as f64 / 10.0).max(chunk_bytes);
+                s.budget = (s.budget + dt * cap as f64).min(burst);
+                if s.budget < chunk_bytes {
+                    break;
+                }
+            }
+            let next = if s.kind == SyncKind::Verify {
+                (s.cursor < chunks).then_some(s.cursor)
+            } else {
+                let mut from = s.cursor;
+                loop {
+                    match self.meta.bitmap.next_set(from) {
+                        Some(c) if s.inflight.contains(&c) || s.pending_clear.contains(&c) => {
+                            from = c + 1;
+                        }
+                        other => break other,
+                    }
+                }
+            };
+            let Some(chunk) = next else { break };
+            s.cursor = chunk + 1;
+            if cap > 0 {
+                s.budget -= chunk_bytes;
+            }
+            s.inflight.insert(chunk);
+            let mode = match s.kind {
+                SyncKind::Verify => ReadMode::Verify,
+                SyncKind::Checksum => ReadMode::Crc,
+                SyncKind::Bitmap => ReadMode::Data,
+            };
+            let (offset, len) = self.meta.layout.chunk_range(chunk);
+            self.push_apply(
+                ApplyKind::SyncRead {
+                    offset,
+                    len: len as u32,
+                    mode,
+                },
+                vec![Range::new(offset, len)],
+                0,
+            );
+        }
+        self.sync_checkpoint(now);
+    }
+
+    fn scan_done(&self, s: &SyncRun) -> bool {
+        if !s.inflight.is_empty() {
+            return false;
+        }
+        if s.kind == SyncKind::Verify {
+            return s.cursor >= self.meta.layout.chunks();
+        }
+        let mut from = s.cursor;
+        loop {
+            match self.meta.bitmap.next_set(from) {
+                Some(c) if s.pending_clear.contains(&c) => from = c + 1,
+                Some(_) => return false,
+                None => return true,
+            }
+        }
+    }
+
+    fn sync_checkpoint(&mut self, now: Instant) {
+        let Some(s) = self.sync.as_ref() else { return };
+        if s.role != SyncRole::Source || !s.got_peer_bitmap {
+            return;
+        }
+        let scan_done = self.scan_done(s);
+        let interval = self.cfg.resync.checkpoint_interval;
+        let Some(s) = self.sync.as_mut() else { return };
+        if s.checkpoint.is_none()
+            && !s.acked.is_empty()
+            && (scan_done || now >= s.last_checkpoint + interval)
+        {
+            let id = s.next_checkpoint;
+            s.next_checkpoint += 1;
+            s.last_checkpoint = now;
+            s.checkpoint = Some((id, std::mem::take(&mut s.acked)));
+            self.send(now, Message::SyncCheckpoint { id });
+            return;
+        }
+        if !(scan_done && s.acked.is_empty() && s.checkpoint.is_none()) {
+            return;
+        }
+        if s.kind != SyncKind::Verify && self.meta.bitmap.count() > 0 {
+            // Chunks that failed (or were marked meanwhile): another pass, from the
+            // next timer tick (never recursively).
+            s.cursor = 0;
+            return;
+        }
+        self.finish_sync(now);
+    }
+
+    fn finish_sync(&mut self, now: Instant) {
+        let Some(s) = self.sync.take() else { return };
+        let summary = s.summary(now, true);
+        if s.kind == SyncKind::Verify {
+            info!(
+                disk = %self.cfg.disk_name,
+                "online verify done: {} chunks differed and were repaired from this node, in {:?}",
+                s.mismatches, summary.elapsed
+            );
+        } else {
+            let g = &mut self.meta.sb.generations;
+            if g.bitmap != 0 {
+                g.history = [g.bitmap, g.history[0]];
+                g.bitmap = 0;
+            }
+            if g.current == GEN_JUST_CREATED {
+                let new = self.random_generation();
+                self.meta.sb.generations.current = new;
+            }
+            self.meta.sb.crashed = false;
+            self.meta.dirty_sb = true;
+            self.meta_touch();
+            let generations = self.meta.sb.generations;
+            self.send(now, Message::SyncDone { generations });
+            info!(
+                disk = %self.cfg.disk_name,
+                "{} done as source: {} bytes sent of {} in {:?}; in sync",
+                s.kind, s.transferred_bytes, s.total_bytes, summary.elapsed
+            );
+            if self.cfg.quorum.is_some() {
+                self.events.push_back(Event::ReleaseQuorum);
+            }
+        }
+        self.last_sync = Some(summary);
+        self.events.push_back(Event::SyncEnded(summary));
+    }
+
+    /// When the sync wants a timer: the rate budget refilling, the next checkpoint,
+    /// the application going quiet (dynamic rate).
+    pub(super) fn sync_timeout(&self) -> Option<Instant> {
+        let s = self.sync.as_ref()?;
+        if s.role != SyncRole::Source || !s.got_peer_bitmap {
+            return None;
+        }
+        let mut t = s.last_checkpoint + self.cfg.resync.checkpoint_interval;
+        let cap = self.sync_cap();
+        if cap > 0 {
+            let need = (self.meta.layout.chunk_size() as f64 - s.budget).max(0.0);
+            t = t.min(s.last_refill + Duration::from_secs_f64(need / cap as f64));
+        }
+        if matches!(self.cfg.resync.rate, ResyncRate::Dynamic { .. }) {
+            t = t.min(self.last_app_io + APP_QUIET);
+        }
+        Some(t)
+    }
+
+    pub(super) fn sync_tick(&mut self, now: Instant) {
+        self.sync_pump(now);
+    }
+
+    /// Whether requests wait for quorum right now (for status).
+    pub fn quorum_suspended(&self) -> bool {
+        self.state == LinkState::Degraded
+            && self.cfg.quorum == Some(QuorumPolicy::Suspend)
+            && self.alone() == Alone::Hold
+    }
+}
