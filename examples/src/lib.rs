@@ -3,6 +3,7 @@
 pub mod config;
 pub mod latency;
 pub mod pattern;
+pub mod resync_bench;
 
 /// A work directory `<target>/<name>` beside the running binary's target directory
 /// (`target/release/vsan-demo` -> `target/<name>`), or `target/<name>` relative to the

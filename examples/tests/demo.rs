@@ -1,6 +1,7 @@
 //! The README's main job, `vsan-demo`, runs to the end: two mirrored nodes under load,
-//! per-node figures, replicas compared byte for byte (shortened to a few seconds; the
-//! workload and checks are the same).
+//! per-node figures, the failure act (node 2 down, node 1 alone, node 2 back and
+//! resynced), replicas compared byte for byte (shortened to a few seconds; the workload
+//! and checks are the same).
 
 use std::process::Command;
 
@@ -25,6 +26,10 @@ fn vsan_demo_mirrors_two_nodes_and_prints_its_summary() {
         "bytes written:",
         "replicas identical (0 blocks differ)",
         "(0 wrong); 0 read mismatches; 0 I/O errors",
+        "failure act: node 2 goes down",
+        "node 2 comes back with its stale replica",
+        "of a 64 MiB disk",
+        "read back",
         "vsan-demo: OK",
     ] {
         assert!(
@@ -57,4 +62,15 @@ fn vsan_demo_mirrors_two_nodes_and_prints_its_summary() {
         .collect();
     assert_eq!(sums.len(), 2, "{stdout}");
     assert_eq!(sums[0], sums[1]);
+    // The resync copied what node 1 wrote alone (its first sixteenth), not the disk.
+    let line = stdout
+        .lines()
+        .find(|l| l.contains("resynced "))
+        .unwrap_or_else(|| panic!("no resync line:\n{stdout}"));
+    let bytes: u64 = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{line}"));
+    assert!(bytes > 0 && bytes <= 4 << 20, "{line}");
 }

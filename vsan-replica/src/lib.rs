@@ -21,7 +21,7 @@ pub mod transport;
 pub mod wire;
 pub mod witness;
 
-pub use mirror::{MirrorStatus, MirroredDisk, Replica, meta_params};
+pub use mirror::{MirrorStatus, MirroredDisk, Replica, SyncStart, meta_params};
 
 #[cfg(test)]
 mod tests {

@@ -26,7 +26,7 @@ use vsan_core::{BlockDevice, Error, ErrorKind, Geometry, IoFlags, IoFuture, Op, 
 use crate::meta::{self, Loaded, MetaParams};
 use crate::protocol::{
     Config, Endpoint, Event, Generations, LinkState, LocalIo, LocalOpId, LocalResult, Message,
-    RequestId, SyncProgress, SyncSummary, WritePayload,
+    RequestId, SyncKind, SyncProgress, SyncRole, SyncSummary, WritePayload,
 };
 use crate::transport::{Link, LinkRx, LinkTx};
 use crate::witness::WitnessClient;
@@ -139,12 +139,27 @@ pub struct MirrorStatus {
     pub inconsistent: bool,
     /// A resync or verify is running (see [`MirroredDisk::sync_progress`]).
     pub syncing: bool,
+    /// The last resync or verify that started (it may have ended since).
+    pub last_sync_start: Option<SyncStart>,
     /// How the last resync or verify ended.
     pub last_sync: Option<SyncSummary>,
     /// With a witness: whether this node may serve I/O without its peer.
     pub quorum: Option<bool>,
     /// Requests are held until quorum or the peer returns.
     pub suspended: bool,
+}
+
+/// A resync or verify that started.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SyncStart {
+    /// Counts the starts of this disk's driver (1 for the first).
+    pub number: u64,
+    /// This node's role.
+    pub role: SyncRole,
+    /// The kind of pass.
+    pub kind: SyncKind,
+    /// Bytes to go through.
+    pub total_bytes: u64,
 }
 
 /// A two-way synchronously mirrored disk (protocol C). Cheap to clone.
@@ -217,7 +232,7 @@ impl MirroredDisk {
         let name: Arc<str> = cfg.disk_name.as_str().into();
         let (commands, rx) = mpsc::unbounded_channel();
         let endpoint = Endpoint::new(cfg, replica.loaded, Instant::now());
-        let (status_tx, status) = watch::channel(status_of(&endpoint, false, None));
+        let (status_tx, status) = watch::channel(status_of(&endpoint, false, None, None));
         let progress = Arc::new(parking_lot::Mutex::new(None));
         let driver = Driver::new(
             Arc::clone(&name),
@@ -387,7 +402,12 @@ impl BlockDevice for MirroredDisk {
 type LocalFuture =
     std::pin::Pin<Box<dyn std::future::Future<Output = (LocalOpId, LocalResult)> + Send>>;
 
-fn status_of(ep: &Endpoint, link_attached: bool, last_problem: Option<String>) -> MirrorStatus {
+fn status_of(
+    ep: &Endpoint,
+    link_attached: bool,
+    last_problem: Option<String>,
+    last_sync_start: Option<SyncStart>,
+) -> MirrorStatus {
     MirrorStatus {
         link: ep.state(),
         link_attached,
@@ -398,6 +418,7 @@ fn status_of(ep: &Endpoint, link_attached: bool, last_problem: Option<String>) -
         generations: ep.generations(),
         inconsistent: ep.is_inconsistent(),
         syncing: ep.sync_progress(Instant::now()).is_some(),
+        last_sync_start,
         last_sync: ep.last_sync(),
         quorum: ep.has_quorum(),
         suspended: ep.quorum_suspended(),
@@ -417,6 +438,7 @@ struct Driver {
     quorum_task: Option<tokio::task::JoinHandle<()>>,
     closing: Vec<oneshot::Sender<()>>,
     last_progress_log: Instant,
+    last_sync_start: Option<SyncStart>,
     waiters: HashMap<RequestId, Reply>,
     tx: Option<Arc<dyn LinkTx>>,
     rx: Option<Box<dyn LinkRx>>,
@@ -460,6 +482,7 @@ impl Driver {
             quorum_task: None,
             closing: Vec::new(),
             last_progress_log: Instant::now(),
+            last_sync_start: None,
             waiters: HashMap::new(),
             tx: None,
             rx: None,
@@ -752,6 +775,12 @@ impl Driver {
                         total_bytes,
                     } => {
                         info!(disk = %self.name, "{kind} started as {role:?}: {total_bytes} bytes to go through");
+                        self.last_sync_start = Some(SyncStart {
+                            number: self.last_sync_start.map_or(1, |s| s.number + 1),
+                            role,
+                            kind,
+                            total_bytes,
+                        });
                     }
                     Event::SyncEnded(summary) => {
                         info!(disk = %self.name, "{} ended: {summary:?}", summary.kind);
@@ -784,7 +813,12 @@ impl Driver {
                 p.eta
             );
         }
-        let now = status_of(&self.ep, self.tx.is_some(), self.last_problem.clone());
+        let now = status_of(
+            &self.ep,
+            self.tx.is_some(),
+            self.last_problem.clone(),
+            self.last_sync_start,
+        );
         self.status.send_if_modified(|s| {
             if *s != now {
                 *s = now;

@@ -1224,3 +1224,126 @@ async fn writes_survive_the_loss(
     verify(d1, &reports, "reads through node 1 (degraded)").await;
     verify(&**m1, &reports, "node 1's replica").await;
 }
+
+// ----- 8. metadata on the write path -----
+
+/// A metadata device that counts the writes it takes (over a device with power cuts).
+struct Counting {
+    inner: Arc<FaultyDevice<MemDevice>>,
+    writes: AtomicUsize,
+}
+
+impl BlockDevice for Counting {
+    fn geometry(&self) -> Geometry {
+        self.inner.geometry()
+    }
+    fn read(&self, offset: u64, len: usize) -> vsan_core::IoFuture<'_, Bytes> {
+        self.inner.read(offset, len)
+    }
+    fn write(&self, offset: u64, data: Bytes, flags: IoFlags) -> vsan_core::IoFuture<'_, ()> {
+        self.writes.fetch_add(1, Ordering::SeqCst);
+        self.inner.write(offset, data, flags)
+    }
+    fn flush(&self) -> vsan_core::IoFuture<'_, ()> {
+        self.inner.flush()
+    }
+    fn discard(&self, offset: u64, len: u64, flags: IoFlags) -> vsan_core::IoFuture<'_, ()> {
+        self.inner.discard(offset, len, flags)
+    }
+    fn write_zeroes(&self, offset: u64, len: u64, flags: IoFlags) -> vsan_core::IoFuture<'_, ()> {
+        self.inner.write_zeroes(offset, len, flags)
+    }
+}
+
+/// Node 1 over `m1` with its metadata on a counting, power-cuttable device; node 2 over
+/// `m2`; connected and in sync.
+async fn pair_with_meta(
+    m1: Arc<MemDevice>,
+    m2: Arc<MemDevice>,
+) -> (MirroredDisk, MirroredDisk, Arc<Counting>, JoinHandle<()>) {
+    let cfg1 = config(1, MIB, DISK_ID, PEER_TIMEOUT);
+    let params = meta_params(&cfg1, DEFAULT_CHUNK_SIZE);
+    let layout = meta::Layout::new(MIB, DEFAULT_CHUNK_SIZE);
+    let dev = Arc::new(Counting {
+        inner: faulty(layout.total_len()),
+        writes: AtomicUsize::new(0),
+    });
+    let loaded = meta::create(dev.as_ref(), &params).await.unwrap();
+    let replica = Replica {
+        data: m1,
+        meta: dev.clone(),
+        loaded,
+    };
+    let d2 = start(config(2, MIB, DISK_ID, PEER_TIMEOUT), m2).await;
+    let (addr, accept) = serve(&d2, "127.0.0.1:0").await;
+    let d1 = MirroredDisk::start(cfg1, replica, None).unwrap();
+    dial(&d1, &addr);
+    wait_for(&d1, "node 1 in sync", in_sync).await;
+    wait_for(&d2, "node 2 in sync", in_sync).await;
+    (d1, d2, dev, accept)
+}
+
+/// Without the peer, a write completes only once its chunk's bit (and the new
+/// generation) is durable: cut the metadata's power right after the completion and the
+/// bit is there. A second write into the same chunk writes no metadata at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn degraded_write_marks_its_chunk_durably_before_it_completes() {
+    let (m1, m2) = (mem(MIB), mem(MIB));
+    let (d1, d2, meta1, accept) = pair_with_meta(m1.clone(), m2).await;
+    let before = d1.status().generations;
+    accept.abort();
+    within("node 2 to close", d2.close()).await.unwrap();
+    wait_for_within(PEER_TIMEOUT + LOSS_MARGIN, &d1, "node 1 degraded", |s| {
+        s.link == LinkState::Degraded
+    })
+    .await;
+
+    let chunk = 5u64;
+    let at = chunk * DEFAULT_CHUNK_SIZE + 4096;
+    write(&d1, at, Bytes::from(vec![0x77; 4096]), IoFlags::empty()).await;
+    let after_first = meta1.writes.load(Ordering::SeqCst);
+    write(
+        &d1,
+        at + 8192,
+        Bytes::from(vec![0x78; 4096]),
+        IoFlags::empty(),
+    )
+    .await;
+    assert_eq!(
+        meta1.writes.load(Ordering::SeqCst),
+        after_first,
+        "a second write into a dirty chunk wrote metadata"
+    );
+
+    within("power cut", meta1.inner.power_cut(PowerCut::DropUnflushed))
+        .await
+        .unwrap();
+    let params = meta_params(&config(1, MIB, DISK_ID, PEER_TIMEOUT), DEFAULT_CHUNK_SIZE);
+    let loaded = meta::open(meta1.as_ref(), &params).await.unwrap();
+    assert!(loaded.bitmap.get(chunk), "the bit did not survive the cut");
+    assert_eq!(loaded.bitmap.count(), 1);
+    let g = loaded.superblock.generations;
+    assert_eq!(g.bitmap, before.current, "{g:?}");
+    assert_ne!(g.current, before.current, "no new generation: {g:?}");
+}
+
+/// A mirrored write into a cold extent completes only once the activity log names that
+/// extent durably, so a crash right after it resyncs that extent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mirrored_write_is_in_the_activity_log_before_it_completes() {
+    let (m1, m2) = (mem(MIB), mem(MIB));
+    let (d1, _d2, meta1, _accept) = pair_with_meta(m1, m2).await;
+    write(&d1, 4096, Bytes::from(vec![0x31; 4096]), IoFlags::empty()).await;
+    within("power cut", meta1.inner.power_cut(PowerCut::DropUnflushed))
+        .await
+        .unwrap();
+    let params = meta_params(&config(1, MIB, DISK_ID, PEER_TIMEOUT), DEFAULT_CHUNK_SIZE);
+    let loaded = meta::open(meta1.as_ref(), &params).await.unwrap();
+    assert_eq!(loaded.al, vec![0], "activity log after the cut");
+    assert!(!loaded.superblock.clean_shutdown);
+    assert_eq!(
+        loaded.bitmap.count(),
+        0,
+        "a mirrored write marked the bitmap"
+    );
+}

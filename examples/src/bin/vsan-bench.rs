@@ -16,7 +16,7 @@ use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
-use vsan_examples::latency;
+use vsan_examples::{latency, resync_bench};
 
 #[derive(Parser, Debug)]
 #[command(version, about = "vsan benchmarks against the tools users run today")]
@@ -73,6 +73,28 @@ enum Cmd {
         #[arg(long)]
         work_dir: Option<PathBuf>,
     },
+    /// Resync throughput against a plain copy of the same bytes between the same files,
+    /// and application 4 KiB randwrite IOPS during a dynamic-rate resync against in sync.
+    Resync {
+        /// Disk size in MiB.
+        #[arg(long, default_value_t = 1024)]
+        size_mib: u64,
+        /// MiB written while the partner is away (throughput part).
+        #[arg(long, default_value_t = 512)]
+        dirty_mib: u64,
+        /// Seconds per IOPS measurement.
+        #[arg(long, default_value_t = 10.0)]
+        seconds: f64,
+        /// Application queue depth.
+        #[arg(long, default_value_t = 16)]
+        depth: usize,
+        /// Rounds.
+        #[arg(long, default_value_t = 3)]
+        rounds: u32,
+        /// Work directory (default: target/vsan-bench).
+        #[arg(long)]
+        work_dir: Option<PathBuf>,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -121,6 +143,22 @@ fn main() -> ExitCode {
             work_dir,
         } => latency::run(count, rounds, work_dir.unwrap_or_else(default_dir))
             .map_err(|e| -> BoxError { e.to_string().into() }),
+        Cmd::Resync {
+            size_mib,
+            dirty_mib,
+            seconds,
+            depth,
+            rounds,
+            work_dir,
+        } => resync_bench::run(resync_bench::Opts {
+            size_mib,
+            dirty_mib,
+            seconds,
+            depth,
+            rounds,
+            dir: work_dir.unwrap_or_else(default_dir),
+        })
+        .map_err(|e| -> BoxError { e.to_string().into() }),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

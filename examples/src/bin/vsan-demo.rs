@@ -10,6 +10,11 @@
 //! p50/p99 latency, stops both nodes, compares the two replica files byte for byte
 //! (printing each one's checksum), checks every written block against what was
 //! acknowledged, and exits non-zero on any mismatch.
+//!
+//! Between the two it plays the failure act: node 2 goes down, node 1 keeps writing
+//! alone (its bitmap marks every chunk it changes), node 2 comes back with its stale
+//! replica and metadata, and a progress bar follows the resync that copies only the
+//! chunks written meanwhile; the act ends with the bytes resynced against the disk size.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -29,10 +34,11 @@ use vsan_core::{BlockDevice, FileOptions};
 use vsan_examples::pattern::{BLOCK, BlockLog, expected_block};
 use vsan_examples::target_work_dir;
 use vsan_replica::connect::{accept_loop, dial_loop};
+use vsan_replica::meta;
 use vsan_replica::protocol::{Config as MirrorConfig, DiskId, LinkState};
 use vsan_replica::transport::Transport;
 use vsan_replica::transport::tcp::TcpTransport;
-use vsan_replica::{MirroredDisk, Replica};
+use vsan_replica::{MirroredDisk, Replica, meta_params};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -117,9 +123,14 @@ async fn start_node(
     id: u32,
     dir: &Path,
     size: u64,
+    fresh: bool,
 ) -> Result<(DemoNode, Arc<dyn BlockDevice>), BoxError> {
     let image = dir.join(format!("node{id}.img"));
-    let _ = std::fs::remove_file(&image);
+    let meta_path = dir.join(format!("node{id}.meta"));
+    if fresh {
+        let _ = std::fs::remove_file(&image);
+        let _ = std::fs::remove_file(&meta_path);
+    }
     let local = FileOptions::new()
         .block_size(512)
         .create(size)
@@ -127,8 +138,16 @@ async fn start_node(
     let peer = 3 - id;
     let mut cfg = MirrorConfig::new(id, peer, DiskId::from_name("demo"), "demo", size, 512);
     cfg.connect_timeout = Duration::from_secs(10);
+    cfg.peer_timeout = Duration::from_secs(2);
+    cfg.seed = rand::random();
     let local: Arc<dyn BlockDevice> = Arc::new(local);
-    let replica = Replica::with_memory_meta(&cfg, Arc::clone(&local)).await?;
+    let params = meta_params(&cfg, meta::DEFAULT_CHUNK_SIZE);
+    let (meta_dev, loaded, _) = meta::open_or_create_file(&meta_path, &params).await?;
+    let replica = Replica {
+        data: Arc::clone(&local),
+        meta: meta_dev,
+        loaded,
+    };
     let disk = MirroredDisk::start(cfg, replica, None)?;
     let server = Server::new(vec![Export::new(
         "demo",
@@ -150,6 +169,163 @@ async fn start_node(
     ))
 }
 
+/// Node 2's replication listener, routing links to its disk.
+async fn accept_for(
+    transport: &Arc<dyn Transport>,
+    disk: &MirroredDisk,
+) -> Result<(String, tokio::task::JoinHandle<()>), BoxError> {
+    let listener = transport.listen("127.0.0.1:0").await?;
+    let addr = listener.local_addr();
+    let task = tokio::spawn(accept_loop(
+        listener,
+        HashMap::from([("demo".to_string(), disk.clone())]),
+    ));
+    Ok((addr, task))
+}
+
+async fn wait_in_sync(disk: &MirroredDisk, limit: Duration) -> Result<(), BoxError> {
+    let mut status = disk.watch_status();
+    tokio::time::timeout(
+        limit,
+        status.wait_for(|s| s.link == LinkState::Connected && !s.syncing && s.dirty_chunks == 0),
+    )
+    .await??;
+    Ok(())
+}
+
+/// What a workload phase runs.
+struct Mix<'a> {
+    /// Nodes (0, 1) taking requests.
+    homes: &'a [usize],
+    depth: usize,
+    read_pct: u32,
+    blocks: u64,
+    /// Writes go to blocks below this.
+    write_limit: u64,
+    duration: Duration,
+}
+
+/// Run the verified workload `mix` describes. Shows a live line; returns the seconds it
+/// ran.
+async fn workload(
+    shared: &Arc<Shared>,
+    clients: &[Vec<Arc<Client>>; 2],
+    mix: Mix<'_>,
+) -> Result<f64, BoxError> {
+    let Mix {
+        homes,
+        depth,
+        read_pct,
+        blocks,
+        write_limit,
+        duration,
+    } = mix;
+    shared.stop.store(false, Ordering::Relaxed);
+    let connections = clients[0].len();
+    let workers = 2 * connections * depth;
+    let progress = ProgressBar::new_spinner();
+    progress.set_style(ProgressStyle::with_template(
+        "{spinner} {elapsed:>3} {msg}",
+    )?);
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for w in 0..workers {
+        let home = homes[w % homes.len()];
+        let conn = (w / 2) % connections;
+        let pair: Vec<Arc<Client>> = homes
+            .iter()
+            .map(|&h| Arc::clone(&clients[h][conn]))
+            .collect();
+        let readers: Vec<usize> = homes.to_vec();
+        let shared = Arc::clone(shared);
+        tasks.push(tokio::spawn(async move {
+            // Worker w alone writes the blocks b with b % workers == w, so it knows what
+            // each must hold; it writes through its home node and reads through any.
+            let mut rng =
+                SmallRng::seed_from_u64(0x5eed ^ w as u64 ^ started.elapsed().as_nanos() as u64);
+            let owned = (write_limit.min(blocks).saturating_sub(w as u64))
+                .div_ceil(workers as u64)
+                .max(1);
+            let mut hist = [histogram().ok(), histogram().ok()];
+            while !shared.stop.load(Ordering::Relaxed) {
+                let block = (w as u64 + rng.random_range(0..owned) * workers as u64) % blocks;
+                let offset = block * BLOCK as u64;
+                let t0 = Instant::now();
+                let node = if rng.random_range(0..100) < read_pct {
+                    let k = rng.random_range(0..readers.len());
+                    let node = readers[k];
+                    match pair[k].read(offset, BLOCK as u32).await {
+                        Ok(data) => {
+                            if data[..] != expected_block(block, shared.log.generation(block))[..] {
+                                shared.mismatches.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                        Err(_) => {
+                            shared.errors.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                    shared.stats[node].reads.fetch_add(1, Ordering::Relaxed);
+                    node
+                } else {
+                    let k = readers.iter().position(|&h| h == home).unwrap_or(0);
+                    let generation = shared.log.generation(block) + 1;
+                    match pair[k]
+                        .write(offset, &expected_block(block, generation), false)
+                        .await
+                    {
+                        Ok(()) => {
+                            shared.log.set_generation(block, generation);
+                            shared
+                                .bytes_written
+                                .fetch_add(BLOCK as u64, Ordering::Relaxed);
+                        }
+                        Err(_) => {
+                            shared.errors.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                    shared.stats[home].writes.fetch_add(1, Ordering::Relaxed);
+                    home
+                };
+                if let Some(h) = hist[node].as_mut() {
+                    let _ = h.record(t0.elapsed().as_micros() as u64);
+                }
+            }
+            for (i, h) in hist.into_iter().enumerate() {
+                if let Some(h) = h {
+                    let _ = shared.hist[i].lock().add(h);
+                }
+            }
+        }));
+    }
+    let ops = |s: &Shared| -> [u64; 2] {
+        [0, 1].map(|i| {
+            s.stats[i].reads.load(Ordering::Relaxed) + s.stats[i].writes.load(Ordering::Relaxed)
+        })
+    };
+    let mut last = (Instant::now(), ops(shared));
+    while started.elapsed() < duration {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let now = ops(shared);
+        let dt = last.0.elapsed().as_secs_f64();
+        let rate = [0, 1].map(|i| (now[i] - last.1[i]) as f64 / dt);
+        last = (Instant::now(), now);
+        progress.set_message(format!(
+            "node 1 {:>7.0} IOPS | node 2 {:>7.0} IOPS | {:>7.1} MiB written | mismatches {}",
+            rate[0],
+            rate[1],
+            shared.bytes_written.load(Ordering::Relaxed) as f64 / (1 << 20) as f64,
+            shared.mismatches.load(Ordering::Relaxed)
+        ));
+        progress.tick();
+    }
+    shared.stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        t.await?;
+    }
+    progress.finish_and_clear();
+    Ok(started.elapsed().as_secs_f64())
+}
+
 async fn run(args: Args) -> Result<bool, BoxError> {
     let dir = args
         .work_dir
@@ -159,26 +335,17 @@ async fn run(args: Args) -> Result<bool, BoxError> {
     let size = args.size_mib << 20;
 
     // Two nodes, mirrored over TCP on loopback: node 2 accepts, node 1 dials.
-    let (n1, local1) = start_node(1, &dir, size).await?;
-    let (n2, local2) = start_node(2, &dir, size).await?;
+    let (n1, local1) = start_node(1, &dir, size, true).await?;
+    let (n2, _) = start_node(2, &dir, size, true).await?;
     let transport: Arc<dyn Transport> = Arc::new(TcpTransport::new());
-    let listener = transport.listen("127.0.0.1:0").await?;
-    let replication = listener.local_addr();
-    let accepting = tokio::spawn(accept_loop(
-        listener,
-        HashMap::from([("demo".to_string(), n2.disk.clone())]),
-    ));
+    let (replication, accepting) = accept_for(&transport, &n2.disk).await?;
     let dialing = tokio::spawn(dial_loop(
         Arc::clone(&transport),
         replication.clone(),
         n1.disk.clone(),
     ));
-    let mut status = n1.disk.watch_status();
-    tokio::time::timeout(
-        Duration::from_secs(10),
-        status.wait_for(|s| s.link == LinkState::Connected),
-    )
-    .await??;
+    // New replicas compare every chunk by checksum first (nothing differs here).
+    wait_in_sync(&n1.disk, Duration::from_secs(30)).await?;
     println!(
         "vsan-demo: two nodes mirroring disk \"demo\" ({} MiB) over tcp:{replication}",
         args.size_mib
@@ -208,106 +375,19 @@ async fn run(args: Args) -> Result<bool, BoxError> {
         }
     }
 
-    let workers = 2 * args.connections * args.depth;
-    let progress = ProgressBar::new_spinner();
-    progress.set_style(ProgressStyle::with_template(
-        "{spinner} {elapsed:>3} {msg}",
-    )?);
-    let started = Instant::now();
-    let mut tasks = Vec::new();
-    for w in 0..workers {
-        let home = w % 2;
-        let conn = (w / 2) % args.connections;
-        let pair = [Arc::clone(&clients[0][conn]), Arc::clone(&clients[1][conn])];
-        let shared = Arc::clone(&shared);
-        let read_pct = args.read_pct;
-        tasks.push(tokio::spawn(async move {
-            // Worker w alone writes the blocks b with b % workers == w, so it knows what
-            // each must hold; it writes through its home node and reads through either.
-            let mut rng = SmallRng::seed_from_u64(0x5eed ^ w as u64);
-            let owned = (blocks - w as u64).div_ceil(workers as u64);
-            let mut hist = [histogram().ok(), histogram().ok()];
-            while !shared.stop.load(Ordering::Relaxed) {
-                let block = w as u64 + rng.random_range(0..owned) * workers as u64;
-                let offset = block * BLOCK as u64;
-                let t0 = Instant::now();
-                let node = if rng.random_range(0..100) < read_pct {
-                    let node = rng.random_range(0..2usize);
-                    match pair[node].read(offset, BLOCK as u32).await {
-                        Ok(data) => {
-                            if data[..] != expected_block(block, shared.log.generation(block))[..] {
-                                shared.mismatches.fetch_add(1, Ordering::Relaxed);
-                            }
-                        }
-                        Err(_) => {
-                            shared.errors.fetch_add(1, Ordering::Relaxed);
-                        }
-                    }
-                    shared.stats[node].reads.fetch_add(1, Ordering::Relaxed);
-                    node
-                } else {
-                    let generation = shared.log.generation(block) + 1;
-                    match pair[home]
-                        .write(offset, &expected_block(block, generation), false)
-                        .await
-                    {
-                        Ok(()) => {
-                            shared.log.set_generation(block, generation);
-                            shared
-                                .bytes_written
-                                .fetch_add(BLOCK as u64, Ordering::Relaxed);
-                        }
-                        Err(_) => {
-                            shared.errors.fetch_add(1, Ordering::Relaxed);
-                        }
-                    }
-                    shared.stats[home].writes.fetch_add(1, Ordering::Relaxed);
-                    home
-                };
-                if let Some(h) = hist[node].as_mut() {
-                    let _ = h.record(t0.elapsed().as_micros() as u64);
-                }
-            }
-            for (i, h) in hist.into_iter().enumerate() {
-                if let Some(h) = h {
-                    let _ = shared.hist[i].lock().add(h);
-                }
-            }
-        }));
-    }
-
     let duration = Duration::from_secs_f64(args.seconds.max(0.1));
-    let ops = |s: &Shared| -> [u64; 2] {
-        [0, 1].map(|i| {
-            s.stats[i].reads.load(Ordering::Relaxed) + s.stats[i].writes.load(Ordering::Relaxed)
-        })
+    let mix = Mix {
+        homes: &[0, 1],
+        depth: args.depth,
+        read_pct: args.read_pct,
+        blocks,
+        write_limit: blocks,
+        duration,
     };
-    let mut last = (Instant::now(), [0u64; 2]);
-    while started.elapsed() < duration {
-        tokio::time::sleep(Duration::from_millis(250)).await;
-        let now = ops(&shared);
-        let dt = last.0.elapsed().as_secs_f64();
-        let rate = [0, 1].map(|i| (now[i] - last.1[i]) as f64 / dt);
-        last = (Instant::now(), now);
-        progress.set_message(format!(
-            "node 1 {:>7.0} IOPS | node 2 {:>7.0} IOPS | {:>7.1} MiB written | mismatches {}",
-            rate[0],
-            rate[1],
-            shared.bytes_written.load(Ordering::Relaxed) as f64 / (1 << 20) as f64,
-            shared.mismatches.load(Ordering::Relaxed)
-        ));
-        progress.tick();
-    }
-    shared.stop.store(true, Ordering::Relaxed);
-    for t in tasks {
-        t.await?;
-    }
-    let elapsed = started.elapsed().as_secs_f64();
-    progress.finish_and_clear();
+    let elapsed = workload(&shared, &clients, mix).await?;
     // A flush on either node covers both replicas.
     clients[0][0].flush().await?;
     clients[1][0].flush().await?;
-
     println!();
     println!(
         "workload: 4 KiB random, {}% reads, both nodes at once, {} connections x {} in flight per node, {:.1} s",
@@ -340,6 +420,109 @@ async fn run(args: Args) -> Result<bool, BoxError> {
         written as f64 / (1 << 20) as f64
     );
 
+    // The failure act: node 2 goes down, node 1 writes alone, node 2 comes back and
+    // catches up.
+    println!();
+    println!("failure act: node 2 goes down; node 1 keeps writing alone");
+    for c in std::mem::take(&mut clients[1]) {
+        if let Ok(c) = Arc::try_unwrap(c) {
+            let _ = c.disconnect().await;
+        }
+    }
+    accepting.abort();
+    n2.server.shutdown();
+    n2.server.wait_idle().await;
+    n2.disk.close().await?;
+    let DemoNode {
+        disk: disk2,
+        serving: serving2,
+        ..
+    } = n2;
+    serving2.await??;
+    drop(disk2);
+    let mut status = n1.disk.watch_status();
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        status.wait_for(|s| s.link == LinkState::Degraded),
+    )
+    .await??;
+    let alone_before = shared.bytes_written.load(Ordering::Relaxed);
+    // Node 1 alone: writes into the first sixteenth of the disk.
+    let mix = Mix {
+        homes: &[0],
+        depth: args.depth,
+        read_pct: args.read_pct,
+        blocks,
+        write_limit: (blocks / 16).max(1),
+        duration: duration / 2,
+    };
+    workload(&shared, &clients, mix).await?;
+    clients[0][0].flush().await?;
+    let alone = shared.bytes_written.load(Ordering::Relaxed) - alone_before;
+    let dirty = n1.disk.status().dirty_chunks;
+    println!(
+        "  node 1 wrote {:.1} MiB alone; its bitmap marks {dirty} chunks ({:.1} MiB) for node 2",
+        alone as f64 / (1 << 20) as f64,
+        (dirty * meta::DEFAULT_CHUNK_SIZE) as f64 / (1 << 20) as f64
+    );
+
+    println!("  node 2 comes back with its stale replica; resync:");
+    let (n2, local2) = start_node(2, &dir, size, false).await?;
+    let (replication, accepting) = accept_for(&transport, &n2.disk).await?;
+    dialing.abort();
+    let dialing = tokio::spawn(dial_loop(
+        Arc::clone(&transport),
+        replication.clone(),
+        n1.disk.clone(),
+    ));
+    let bar = ProgressBar::new(1);
+    bar.set_style(ProgressStyle::with_template(
+        "  [{bar:40}] {percent:>3}% {bytes}/{total_bytes} {binary_bytes_per_sec} ETA {eta} {msg}",
+    )?);
+    let resync_started = Instant::now();
+    let summary = loop {
+        if let Some(p) = n1.disk.sync_progress() {
+            bar.set_length(p.total_bytes.max(1));
+            bar.set_position(p.done_bytes);
+        }
+        let s = n1.disk.status();
+        if s.link == LinkState::Connected
+            && !s.syncing
+            && let Some(summary) = s.last_sync.filter(|x| x.completed)
+        {
+            bar.set_length(summary.total_bytes.max(1));
+            bar.set_position(summary.done_bytes);
+            break summary;
+        }
+        if resync_started.elapsed() > Duration::from_secs(120) {
+            bar.abandon();
+            return Err("the resync did not finish within 120 s".into());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    bar.finish();
+    println!(
+        "  resynced {} bytes ({:.1} MiB) of a {} MiB disk ({:.1}%) in {:.2} s; {} chunks were dirty",
+        summary.transferred_bytes,
+        summary.transferred_bytes as f64 / (1 << 20) as f64,
+        args.size_mib,
+        summary.transferred_bytes as f64 * 100.0 / size as f64,
+        summary.elapsed.as_secs_f64(),
+        dirty
+    );
+    // Node 2 serves the data node 1 wrote alone.
+    let mut served = 0u64;
+    let c2 = Client::connect_tcp(&n2.addr, "demo").await?;
+    for block in (0..(blocks / 16).max(1)).step_by(97) {
+        let got = c2.read(block * BLOCK as u64, BLOCK as u32).await?;
+        if got[..] != expected_block(block, shared.log.generation(block))[..] {
+            shared.mismatches.fetch_add(1, Ordering::Relaxed);
+        }
+        served += 1;
+    }
+    let _ = c2.disconnect().await;
+    println!("  node 2 read back {served} blocks node 1 wrote while it was away");
+
     // Stop both nodes: clients off, NBD servers drained, replicas flushed.
     for c in clients.into_iter().flatten() {
         if let Ok(c) = Arc::try_unwrap(c) {
@@ -355,6 +538,7 @@ async fn run(args: Args) -> Result<bool, BoxError> {
     for (node, local) in [(n1, local1), (n2, local2)] {
         node.serving.await??;
         local.flush().await?;
+        node.disk.close().await?;
         drop(node.disk);
     }
 

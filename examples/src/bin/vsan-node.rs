@@ -316,6 +316,9 @@ async fn run(config: Config, discard: Vec<String>) -> Result<(), StartError> {
         running.push(server);
     }
     let servers = running;
+    // Signal handlers before the ready lines: a signal sent as soon as the node says it
+    // is ready must find them.
+    let signals = Signals::new().map_err(StartError::Runtime)?;
     for line in &ready_lines {
         println!("{line}");
     }
@@ -325,9 +328,7 @@ async fn run(config: Config, discard: Vec<String>) -> Result<(), StartError> {
         "vsan-node ready"
     );
 
-    wait_for_signal(&mirrors)
-        .await
-        .map_err(StartError::Runtime)?;
+    signals.wait(&mirrors).await;
     info!("shutting down: no new connections or requests; finishing requests in flight");
     for server in &servers {
         server.shutdown();
@@ -435,25 +436,40 @@ async fn bind(addr: &NbdAddr) -> std::io::Result<Listener> {
     }
 }
 
-/// Wait for SIGINT or SIGTERM; on SIGUSR1, start an online verify of every mirrored disk.
-async fn wait_for_signal(mirrors: &[MirroredDisk]) -> Result<(), String> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut int =
-        signal(SignalKind::interrupt()).map_err(|e| format!("cannot watch SIGINT: {e}"))?;
-    let mut term =
-        signal(SignalKind::terminate()).map_err(|e| format!("cannot watch SIGTERM: {e}"))?;
-    let mut usr1 =
-        signal(SignalKind::user_defined1()).map_err(|e| format!("cannot watch SIGUSR1: {e}"))?;
-    loop {
-        tokio::select! {
-            _ = int.recv() => { info!("SIGINT received"); return Ok(()) }
-            _ = term.recv() => { info!("SIGTERM received"); return Ok(()) }
-            _ = usr1.recv() => {
-                info!("SIGUSR1 received: starting an online verify of every mirrored disk");
-                for disk in mirrors {
-                    if let Err(e) = disk.verify().await {
-                        warn!(disk = disk.name(), "{e}");
-                        say(&format!("problem disk={} {e}", disk.name()));
+/// The signals the node answers.
+struct Signals {
+    int: tokio::signal::unix::Signal,
+    term: tokio::signal::unix::Signal,
+    usr1: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn new() -> Result<Signals, String> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(Signals {
+            int: signal(SignalKind::interrupt())
+                .map_err(|e| format!("cannot watch SIGINT: {e}"))?,
+            term: signal(SignalKind::terminate())
+                .map_err(|e| format!("cannot watch SIGTERM: {e}"))?,
+            usr1: signal(SignalKind::user_defined1())
+                .map_err(|e| format!("cannot watch SIGUSR1: {e}"))?,
+        })
+    }
+
+    /// Wait for SIGINT or SIGTERM; on SIGUSR1, start an online verify of every mirrored
+    /// disk.
+    async fn wait(mut self, mirrors: &[MirroredDisk]) {
+        loop {
+            tokio::select! {
+                _ = self.int.recv() => { info!("SIGINT received"); return }
+                _ = self.term.recv() => { info!("SIGTERM received"); return }
+                _ = self.usr1.recv() => {
+                    info!("SIGUSR1 received: starting an online verify of every mirrored disk");
+                    for disk in mirrors {
+                        if let Err(e) = disk.verify().await {
+                            warn!(disk = disk.name(), "{e}");
+                            say(&format!("problem disk={} {e}", disk.name()));
+                        }
                     }
                 }
             }
