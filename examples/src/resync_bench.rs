@@ -50,6 +50,9 @@ pub struct Opts {
     pub rounds: u32,
     /// Work directory.
     pub dir: PathBuf,
+    /// Open the replicas (and the baseline's files) with O_DIRECT, so both copies go to
+    /// the disk rather than the page cache.
+    pub direct: bool,
 }
 
 struct Node {
@@ -69,10 +72,14 @@ fn image(dir: &Path, id: u32) -> PathBuf {
     dir.join(format!("resync-n{id}.img"))
 }
 
-async fn open(dir: &Path, id: u32, size: u64) -> Result<MirroredDisk, BoxError> {
+async fn open(dir: &Path, id: u32, size: u64, direct: bool) -> Result<MirroredDisk, BoxError> {
     let cfg = config(id, size);
-    let data: Arc<dyn BlockDevice> =
-        Arc::new(FileOptions::new().create(size).open(image(dir, id))?);
+    let data: Arc<dyn BlockDevice> = Arc::new(
+        FileOptions::new()
+            .direct(direct)
+            .create(size)
+            .open(image(dir, id))?,
+    );
     let params = meta_params(&cfg, DEFAULT_CHUNK_SIZE);
     let path = dir.join(format!("resync-n{id}.meta"));
     let (meta_dev, loaded, _) = meta::open_or_create_file(&path, &params).await?;
@@ -85,8 +92,8 @@ async fn open(dir: &Path, id: u32, size: u64) -> Result<MirroredDisk, BoxError> 
 }
 
 /// Node 2 (accepting) and, the first time, node 1 (dialing it).
-async fn start_node2(dir: &Path, size: u64, n1: &mut Node) -> Result<Node, BoxError> {
-    let disk = open(dir, 2, size).await?;
+async fn start_node2(dir: &Path, size: u64, direct: bool, n1: &mut Node) -> Result<Node, BoxError> {
+    let disk = open(dir, 2, size, direct).await?;
     let transport: Arc<dyn Transport> = Arc::new(TcpTransport::new());
     let listener = transport.listen("127.0.0.1:0").await?;
     let addr = listener.local_addr();
@@ -159,12 +166,21 @@ async fn fill(disk: &MirroredDisk, len: u64, round: u32) -> Result<(), BoxError>
 
 /// The baseline: copy `[0, len)` from node 1's image to node 2's, 1 MiB at a time, then
 /// fdatasync. Returns MiB/s.
-fn plain_copy(dir: &Path, len: u64) -> Result<f64, BoxError> {
-    let from = std::fs::File::open(image(dir, 1))?;
+fn plain_copy(dir: &Path, len: u64, direct: bool) -> Result<f64, BoxError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let flags = if direct { libc::O_DIRECT } else { 0 };
+    let from = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(flags)
+        .open(image(dir, 1))?;
     let to = std::fs::OpenOptions::new()
         .write(true)
+        .custom_flags(flags)
         .open(image(dir, 2))?;
-    let mut buf = vec![0u8; MIB as usize];
+    // O_DIRECT wants an aligned buffer: take a 4 KiB-aligned window of a larger one.
+    let mut backing = vec![0u8; (MIB + 4096) as usize];
+    let skew = backing.as_ptr().align_offset(4096);
+    let buf = &mut backing[skew..skew + MIB as usize];
     let t0 = Instant::now();
     let mut off = 0;
     while off < len {
@@ -236,10 +252,10 @@ async fn run_async(o: Opts) -> Result<(), BoxError> {
     let size = o.size_mib * MIB;
     let dirty = o.dirty_mib.min(o.size_mib) * MIB;
     let mut n1 = Node {
-        disk: open(&o.dir, 1, size).await?,
+        disk: open(&o.dir, 1, size, o.direct).await?,
         tasks: Vec::new(),
     };
-    let mut n2 = start_node2(&o.dir, size, &mut n1).await?;
+    let mut n2 = start_node2(&o.dir, size, o.direct, &mut n1).await?;
     in_sync(&n1.disk, Duration::from_secs(120)).await?;
 
     println!(
@@ -253,8 +269,8 @@ async fn run_async(o: Opts) -> Result<(), BoxError> {
         stop(n2).await?;
         degraded(&n1.disk).await?;
         fill(&n1.disk, dirty, round).await?;
-        let copy = plain_copy(&o.dir, dirty)?;
-        n2 = start_node2(&o.dir, size, &mut n1).await?;
+        let copy = plain_copy(&o.dir, dirty, o.direct)?;
+        n2 = start_node2(&o.dir, size, o.direct, &mut n1).await?;
         let summary = in_sync(&n1.disk, Duration::from_secs(600))
             .await?
             .ok_or("no resync ran")?;
@@ -285,7 +301,7 @@ async fn run_async(o: Opts) -> Result<(), BoxError> {
         stop(n2).await?;
         degraded(&n1.disk).await?;
         fill(&n1.disk, size, round + 7).await?;
-        n2 = start_node2(&o.dir, size, &mut n1).await?;
+        n2 = start_node2(&o.dir, size, o.direct, &mut n1).await?;
         let mut st = n1.disk.watch_status();
         tokio::time::timeout(Duration::from_secs(30), st.wait_for(|s| s.syncing)).await??;
         let watch = n1.disk.clone();

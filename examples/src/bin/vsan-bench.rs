@@ -94,6 +94,9 @@ enum Cmd {
         /// Work directory (default: target/vsan-bench).
         #[arg(long)]
         work_dir: Option<PathBuf>,
+        /// O_DIRECT replicas and baseline copy (disk-bound, not page-cache-bound).
+        #[arg(long)]
+        direct: bool,
     },
 }
 
@@ -150,7 +153,9 @@ fn main() -> ExitCode {
             depth,
             rounds,
             work_dir,
+            direct,
         } => resync_bench::run(resync_bench::Opts {
+            direct,
             size_mib,
             dirty_mib,
             seconds,

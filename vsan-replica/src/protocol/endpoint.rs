@@ -20,7 +20,7 @@
 //!    ranges of its own writes still awaiting an ack; on the other node the resolver's
 //!    write is applied after its own overlapping write finished locally.
 
-use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -100,7 +100,7 @@ impl Default for ResyncConfig {
     fn default() -> ResyncConfig {
         ResyncConfig {
             rate: ResyncRate::Dynamic { max: 0 },
-            window: 32,
+            window: 64,
             checkpoint_interval: Duration::from_secs(1),
         }
     }
@@ -298,6 +298,9 @@ struct OwnFlush {
 #[derive(Debug, Clone)]
 struct Apply {
     id: u64,
+    /// The link it belongs to (`Endpoint::link_epoch` when it was made): results for the
+    /// peer from an earlier link are dropped, never sent on a later one.
+    epoch: u64,
     kind: ApplyKind,
     ranges: Vec<Range>,
     started: bool,
@@ -357,9 +360,9 @@ enum OpPurpose {
     Apply(u64),
     Meta,
     OwnFlush(RequestId),
-    PeerFlush(u64),
+    PeerFlush(u64, u64),
     OwnRead(RequestId),
-    PeerRead(u64),
+    PeerRead(u64, u64),
 }
 
 /// Quorum as the endpoint knows it.
@@ -472,9 +475,12 @@ pub struct Endpoint {
     own_flushes: HashMap<RequestId, OwnFlush>,
     /// Reads running on the local replica: (offset, len), kept to retry on the peer.
     local_reads: HashMap<RequestId, (u64, u32)>,
-    /// Reads sent to the peer.
-    remote_reads: HashSet<RequestId>,
-    peer_writes: HashMap<u64, PeerWrite>,
+    /// Reads sent to the peer, with their lengths.
+    remote_reads: HashMap<RequestId, u32>,
+    /// Peer writes being applied, by (link epoch, the peer's id).
+    peer_writes: HashMap<(u64, u64), PeerWrite>,
+    /// Counts links: bumped by every `handle_connected`.
+    link_epoch: u64,
     apply: Vec<Apply>,
     ops: HashMap<LocalOpId, OpPurpose>,
     transmit: VecDeque<Message>,
@@ -587,8 +593,9 @@ impl Endpoint {
             unsent: VecDeque::new(),
             own_flushes: HashMap::new(),
             local_reads: HashMap::new(),
-            remote_reads: HashSet::new(),
+            remote_reads: HashMap::new(),
             peer_writes: HashMap::new(),
+            link_epoch: 0,
             apply: Vec::new(),
             ops: HashMap::new(),
             transmit: VecDeque::new(),
@@ -940,6 +947,10 @@ impl Endpoint {
 
     /// A link to the peer is up: start the handshake.
     pub fn handle_connected(&mut self, now: Instant) {
+        if self.state == LinkState::Connected {
+            self.lose_peer(now, "the link was replaced".into());
+        }
+        self.link_epoch += 1;
         self.sent_welcome = false;
         self.got_welcome = false;
         self.handshaking = true;
@@ -1007,6 +1018,9 @@ impl Endpoint {
             LinkState::Waiting | LinkState::Degraded => {}
         }
         self.release_hold(now);
+        if self.state == LinkState::Degraded && self.alone() != Alone::Hold {
+            self.settle_held(now);
+        }
         self.transmit.clear();
     }
 
@@ -1037,6 +1051,10 @@ impl Endpoint {
             self.state = LinkState::Waiting;
         }
         self.release_hold(now);
+        if self.state == LinkState::Degraded && self.alone() != Alone::Hold {
+            // A quorum answer that came during the handshake.
+            self.settle_held(now);
+        }
     }
 
     fn check_hello(&self, h: &Hello) -> Result<(), String> {
@@ -1138,8 +1156,14 @@ impl Endpoint {
             }
             Message::Refuse { reason } => {
                 warn!(disk = %self.cfg.disk_name, "refused by the peer: {reason}");
-                self.events.push_back(Event::Refused { reason });
-                self.end_handshake(now);
+                if self.state == LinkState::Connected {
+                    // The peer gave up on this link after all (it saw our generations
+                    // move): the link is lost, not merely refused.
+                    self.lose_peer(now, format!("refused by the peer: {reason}"));
+                } else {
+                    self.events.push_back(Event::Refused { reason });
+                    self.end_handshake(now);
+                }
             }
             Message::Ping { id } => self.send(now, Message::Pong { id }),
             Message::Pong { .. } => {}
@@ -1163,7 +1187,7 @@ impl Endpoint {
                 }
             }
             Message::Flush { id } => {
-                let op = self.op_id(OpPurpose::PeerFlush(id));
+                let op = self.op_id(OpPurpose::PeerFlush(self.link_epoch, id));
                 if self.detached {
                     self.ops.remove(&op);
                     self.send(
@@ -1188,6 +1212,18 @@ impl Endpoint {
                 }
             }
             Message::Read { id, offset, len } => {
+                let bs = u64::from(self.cfg.block_size);
+                let end = offset.checked_add(u64::from(len));
+                if len == 0
+                    || end.is_none_or(|e| e > self.cfg.size)
+                    || offset % bs != 0
+                    || u64::from(len) % bs != 0
+                {
+                    return self.protocol_violation(
+                        now,
+                        format!("read {id} of {len} bytes at {offset} is invalid"),
+                    );
+                }
                 if self.detached {
                     self.send(
                         now,
@@ -1198,17 +1234,24 @@ impl Endpoint {
                         },
                     );
                 } else {
-                    let op = self.op_id(OpPurpose::PeerRead(id));
+                    let op = self.op_id(OpPurpose::PeerRead(self.link_epoch, id));
                     self.local_io.push_back(LocalIo::Read { op, offset, len });
                 }
             }
             Message::ReadReply { id, status, data } => {
                 let req = RequestId(id);
-                if !self.remote_reads.remove(&req) {
+                let Some(want) = self.remote_reads.remove(&req) else {
                     return self.protocol_violation(now, format!("reply for unknown read {id}"));
-                }
+                };
                 let result = match status {
-                    Status::Ok => Ok(Some(data)),
+                    Status::Ok if data.len() == want as usize => Ok(Some(data)),
+                    Status::Ok => {
+                        self.protocol_violation(
+                            now,
+                            format!("reply for read {id}: {} bytes, {want} asked", data.len()),
+                        );
+                        Err(ErrorKind::Io)
+                    }
                     Status::Failed(_) => Err(ErrorKind::Io),
                 };
                 self.events.push_back(Event::Completed {
@@ -1246,10 +1289,13 @@ impl Endpoint {
         let Some(decision) = self.decision.take() else {
             return;
         };
-        if self.sent_hello.as_ref().map(|h| h.generations) != Some(self.meta.sb.generations) {
+        let moved = self.sent_hello.as_ref().is_none_or(|h| {
+            h.generations != self.meta.sb.generations || h.dirty_chunks != self.meta.bitmap.count()
+        });
+        if moved {
             return self.refuse(
                 now,
-                "generations changed during the handshake; reconnecting".into(),
+                "generations or marked chunks changed during the handshake; reconnecting".into(),
             );
         }
         self.state = LinkState::Connected;
@@ -1313,7 +1359,7 @@ impl Endpoint {
             }
             self.finish_flush(req);
         }
-        for req in self.remote_reads.drain() {
+        for (req, _) in self.remote_reads.drain() {
             self.events.push_back(Event::Completed {
                 request: req,
                 result: Err(ErrorKind::Io),
@@ -1374,12 +1420,18 @@ impl Endpoint {
                 warn!(disk = %self.cfg.disk_name, "no quorum: the witness did not grant this node the disk");
             }
         }
-        if self.state == LinkState::Degraded {
-            let waiting: Vec<RequestId> = self.unsent.drain(..).collect();
-            self.settle_waiting_writes(waiting);
-            self.run_held_reads(now);
-            self.start_ready(now);
+        // While a handshake compares generations and marks, held writes stay held:
+        // settling them now could mark chunks behind the decision's back.
+        if self.state == LinkState::Degraded && !self.handshaking {
+            self.settle_held(now);
         }
+    }
+
+    fn settle_held(&mut self, now: Instant) {
+        let waiting: Vec<RequestId> = self.unsent.drain(..).collect();
+        self.settle_waiting_writes(waiting);
+        self.run_held_reads(now);
+        self.start_ready(now);
     }
 
     /// The operator resolves a split brain on this node: on the next handshake this
@@ -1433,7 +1485,7 @@ impl Endpoint {
     pub fn submit_flush(&mut self, now: Instant) -> RequestId {
         let req = self.request_id();
         let local = if self.detached {
-            Local::Done(Ok(()))
+            Local::Done(Err(ErrorKind::Io))
         } else {
             let op = self.op_id(OpPurpose::OwnFlush(req));
             self.local_io.push_back(LocalIo::Flush { op });
@@ -1499,7 +1551,7 @@ impl Endpoint {
 
     fn read_from_peer(&mut self, now: Instant, req: RequestId, offset: u64, len: u32) {
         if self.state == LinkState::Connected {
-            self.remote_reads.insert(req);
+            self.remote_reads.insert(req, len);
             self.send(
                 now,
                 Message::Read {
@@ -1534,6 +1586,7 @@ impl Endpoint {
         };
         self.apply.push(Apply {
             id,
+            epoch: self.link_epoch,
             kind,
             ranges,
             started: false,
@@ -1552,6 +1605,27 @@ impl Endpoint {
     fn try_start_apply(&mut self, i: usize) {
         if self.apply[i].started || self.overlaps_apply(&self.apply[i].ranges.clone(), i) {
             return;
+        }
+        if self.apply[i].extents.is_none() {
+            let ranges = self.apply[i].ranges.clone();
+            let span: u64 = ranges
+                .iter()
+                .map(|r| {
+                    Layout::extent_of(r.end.saturating_sub(1)) - Layout::extent_of(r.start) + 1
+                })
+                .sum();
+            if span > (AL_SLOTS / 2) as u64 {
+                // Too big for the activity log (a discard of many GiB, say): its chunks
+                // are marked in the bitmap instead, durably before it starts, and stay
+                // marked until the next resync copies them.
+                let mut gate = 0;
+                for r in &ranges {
+                    gate = gate.max(self.mark_unmirrored(*r, false));
+                }
+                let a = &mut self.apply[i];
+                a.extents = Some(Vec::new());
+                a.gate = a.gate.max(gate);
+            }
         }
         if self.apply[i].extents.is_none() {
             let ranges = self.apply[i].ranges.clone();
@@ -1608,7 +1682,8 @@ impl Endpoint {
         w.started = true;
         let range = Range::new(w.offset, w.payload.len());
         if self.detached {
-            w.local = Local::Done(Ok(()));
+            // No local copy: the write stands only if the peer takes it.
+            w.local = Local::Done(Err(ErrorKind::Io));
         } else {
             self.push_apply(ApplyKind::Own(req), vec![range], 0);
         }
@@ -1652,7 +1727,7 @@ impl Endpoint {
                 }
                 None => return,
             },
-            ApplyKind::Peer(pid) => match self.peer_writes.get(&pid) {
+            ApplyKind::Peer(pid) => match self.peer_writes.get(&(self.apply[i].epoch, pid)) {
                 Some(p) => (p.offset, p.payload.clone(), p.fua),
                 None => return,
             },
@@ -1693,7 +1768,12 @@ impl Endpoint {
 
     fn peer_write(&mut self, now: Instant, id: u64, offset: u64, payload: WritePayload, fua: bool) {
         let range = Range::new(offset, payload.len());
-        if payload.is_empty() || range.end > self.cfg.size {
+        let bs = u64::from(self.cfg.block_size);
+        if payload.is_empty()
+            || range.end > self.cfg.size
+            || offset % bs != 0
+            || payload.len() % bs != 0
+        {
             return self.protocol_violation(
                 now,
                 format!(
@@ -1731,7 +1811,7 @@ impl Endpoint {
             return;
         }
         self.peer_writes.insert(
-            id,
+            (self.link_epoch, id),
             PeerWrite {
                 offset,
                 payload,
@@ -1783,8 +1863,8 @@ impl Endpoint {
                         self.finish_own_write(req);
                     }
                     ApplyKind::Peer(pid) => {
-                        self.peer_writes.remove(&pid);
-                        if self.state == LinkState::Connected {
+                        self.peer_writes.remove(&(entry.epoch, pid));
+                        if self.state == LinkState::Connected && entry.epoch == self.link_epoch {
                             self.send(
                                 now,
                                 Message::WriteAck {
@@ -1794,7 +1874,14 @@ impl Endpoint {
                             );
                         }
                     }
-                    kind => self.sync_apply_done(now, kind, outcome, entry.data),
+                    kind if entry.epoch == self.link_epoch => {
+                        self.sync_apply_done(now, kind, outcome, entry.data)
+                    }
+                    // Resync I/O of an earlier link: its data is written (an earlier
+                    // copy from that link's source, ordered before anything newer), but
+                    // nothing is acknowledged or cleared; the chunk is still marked and
+                    // travels again.
+                    _ => {}
                 }
                 self.start_ready(now);
             }
@@ -1804,8 +1891,8 @@ impl Endpoint {
                 }
                 self.finish_flush(req);
             }
-            OpPurpose::PeerFlush(id) => {
-                if self.state == LinkState::Connected {
+            OpPurpose::PeerFlush(epoch, id) => {
+                if self.state == LinkState::Connected && epoch == self.link_epoch {
                     self.send(
                         now,
                         Message::FlushAck {
@@ -1829,8 +1916,8 @@ impl Endpoint {
                     Err(_) => self.read_from_peer(now, req, offset, len),
                 }
             }
-            OpPurpose::PeerRead(id) => {
-                if self.state == LinkState::Connected {
+            OpPurpose::PeerRead(epoch, id) => {
+                if self.state == LinkState::Connected && epoch == self.link_epoch {
                     let (status, data) = match result {
                         Ok(d) => (Status::Ok, d.unwrap_or_default()),
                         Err(k) => (Status::Failed(k as u32), Bytes::new()),
@@ -1896,6 +1983,8 @@ impl Endpoint {
             result: result.map(|()| None),
         });
         self.maybe_send_hello_now();
+        let now = self.last_tx.max(self.last_rx);
+        self.try_shutdown(now);
     }
 
     fn maybe_send_hello_now(&mut self) {
@@ -1923,6 +2012,8 @@ impl Endpoint {
             request: req,
             result,
         });
+        let now = self.last_tx.max(self.last_rx);
+        self.try_shutdown(now);
     }
 
     // ----- time -----

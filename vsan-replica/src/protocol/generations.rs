@@ -84,10 +84,10 @@ pub fn decide(me: &Side, peer: &Side, policy: SplitBrainPolicy) -> Decision {
         ));
     }
     if me.inconsistent {
-        return Decision::Target { full: false };
+        return resume(me, peer);
     }
     if peer.inconsistent {
-        return Decision::Source { full: false };
+        return resume(peer, me).mirrored();
     }
     if a.current == b.current {
         if a.current == GEN_JUST_CREATED {
@@ -149,6 +149,24 @@ pub fn decide(me: &Side, peer: &Side, policy: SplitBrainPolicy) -> Decision {
         "unrelated data: node {} (generation {:016x}) and node {} (generation {:016x}) share no history; \
          recreate one replica's metadata to make it a new replica",
         lo.node_id, lo.generations.current, hi.node_id, hi.generations.current
+    ))
+}
+
+/// `target` is an unfinished sync target: it resumes from `source` if `source` holds the
+/// data it was syncing from (the same generation, or one that went on from it); a
+/// replaced or unrelated peer cannot complete it.
+fn resume(target: &Side, source: &Side) -> Decision {
+    let (t, s) = (target.generations, source.generations);
+    if s.current == t.current || (s.bitmap != 0 && s.bitmap == t.current) {
+        return Decision::Target { full: false };
+    }
+    if s.history.contains(&t.current) {
+        return Decision::Target { full: true };
+    }
+    Decision::Refuse(format!(
+        "node {} is an unfinished sync target and node {} does not hold the data it was \
+         syncing from (generation {:016x})",
+        target.node_id, source.node_id, t.current
     ))
 }
 
@@ -291,10 +309,24 @@ mod tests {
         c1.crashed = true;
         c1.dirty_chunks = 4;
         assert_eq!(both(&c1, &s2, P), Decision::Target { full: false });
-        // Unfinished target.
+        // Unfinished target: resumes from the node it synced from, not from a replaced
+        // or unrelated one.
         let mut i2 = s2;
         i2.inconsistent = true;
         assert_eq!(both(&a1, &i2, P), Decision::Source { full: false });
+        assert!(matches!(both(&fresh1, &i2, P), Decision::Refuse(r) if r.contains("unfinished")));
+        assert!(matches!(
+            both(
+                &u,
+                &{
+                    let mut x = i2;
+                    x.node_id = 1;
+                    x
+                },
+                P
+            ),
+            Decision::Refuse(_)
+        ));
         // A replaced replica.
         assert_eq!(both(&a1, &fresh2, P), Decision::Source { full: true });
         // Went on from "just created": full sync.

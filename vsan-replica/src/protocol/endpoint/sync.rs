@@ -21,7 +21,7 @@
 //! When no bit is left, the source moves its bitmap generation to history and sends
 //! its generations; the target takes them and is consistent again.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -143,6 +143,9 @@ pub(in crate::protocol) struct SyncRun {
     gate: u64,
     cursor: u64,
     inflight: HashSet<u64>,
+    /// Source: data transfers in flight, first chunk -> chunks (adjacent dirty chunks
+    /// travel together).
+    runs: HashMap<u64, u64>,
     /// Source: chunks done since the last checkpoint was sent.
     acked: Vec<u64>,
     /// Source: acked or in the running checkpoint (bits still set until it is durable).
@@ -168,6 +171,7 @@ impl SyncRun {
             gate: 0,
             cursor: 0,
             inflight: HashSet::new(),
+            runs: HashMap::new(),
             acked: Vec::new(),
             pending_clear: HashSet::new(),
             checkpoint: None,
@@ -195,6 +199,10 @@ impl SyncRun {
         }
     }
 }
+
+/// Adjacent dirty chunks sent in one message at most (bitmap resync while the
+/// application is quiet).
+const MAX_RUN: u64 = 16;
 
 /// App I/O this recent makes a dynamic-rate resync yield.
 const APP_QUIET: Duration = Duration::from_millis(5);
@@ -301,6 +309,13 @@ impl Endpoint {
         self.meta.layout.chunk_range(chunk).1
     }
 
+    /// Target: the chunks of `[offset, offset + len)` hold the source's data.
+    fn clear_synced_range(&mut self, offset: u64, len: u64) {
+        for c in self.meta.layout.chunks_of(offset, len) {
+            self.clear_synced(c);
+        }
+    }
+
     /// Target: a chunk now holds the source's data (persisted at the next checkpoint).
     fn clear_synced(&mut self, chunk: u64) {
         if self.meta.bitmap.clear(chunk) {
@@ -355,13 +370,21 @@ impl Endpoint {
                 self.sync_pump(now);
             }
             Message::SyncData { offset, data } => {
-                let Some(chunk) = self.chunk_of(offset) else {
-                    return self.protocol_violation(now, format!("resync data at {offset}"));
-                };
-                if data.len() as u64 != self.chunk_len(chunk) {
+                if matches!(&self.sync, Some(s) if s.role == SyncRole::Source) {
+                    return self.protocol_violation(now, "resync data sent to the source".into());
+                }
+                let cs = self.meta.layout.chunk_size();
+                let len = data.len() as u64;
+                let end = offset.saturating_add(len);
+                if self.chunk_of(offset).is_none()
+                    || len == 0
+                    || len > MAX_RUN * cs
+                    || end > self.cfg.size
+                    || (end % cs != 0 && end != self.cfg.size)
+                {
                     return self.protocol_violation(
                         now,
-                        format!("resync data of {} bytes at {offset}", data.len()),
+                        format!("resync data of {len} bytes at {offset}"),
                     );
                 }
                 if let Some(s) = self.sync.as_mut() {
@@ -376,10 +399,10 @@ impl Endpoint {
                         },
                     );
                 }
-                let range = Range::new(offset, data.len() as u64);
+                let range = Range::new(offset, len);
                 let ranges = subtract(range, &self.unacked_own_ranges());
                 if ranges.is_empty() {
-                    self.clear_synced(chunk);
+                    self.clear_synced_range(offset, len);
                     return self.send(
                         now,
                         Message::SyncAck {
@@ -395,19 +418,24 @@ impl Endpoint {
                 let Some(chunk) = self.chunk_of(offset) else {
                     return self.protocol_violation(now, format!("resync ack at {offset}"));
                 };
-                let len = self.chunk_len(chunk);
+                let layout = self.meta.layout;
                 let Some(s) = self.sync.as_mut().filter(|s| s.role == SyncRole::Source) else {
                     return;
                 };
-                if !s.inflight.remove(&chunk) {
+                let Some(n) = s.runs.remove(&chunk) else {
                     return;
+                };
+                for c in chunk..chunk + n {
+                    s.inflight.remove(&c);
                 }
                 match status {
                     Status::Ok => {
-                        s.acked.push(chunk);
-                        s.pending_clear.insert(chunk);
-                        if s.kind != SyncKind::Verify {
-                            s.done_bytes += len;
+                        for c in chunk..chunk + n {
+                            s.acked.push(c);
+                            s.pending_clear.insert(c);
+                            if s.kind != SyncKind::Verify {
+                                s.done_bytes += layout.chunk_range(c).1;
+                            }
                         }
                     }
                     Status::Failed(code) => {
@@ -481,6 +509,9 @@ impl Endpoint {
                             self.meta.dirty_blocks.insert(Bitmap::block_of(chunk));
                             self.meta_touch();
                         }
+                    }
+                    if let Some(s) = self.sync.as_mut() {
+                        s.runs.insert(chunk, 1);
                     }
                     let (offset, len) = self.meta.layout.chunk_range(chunk);
                     self.push_apply(
@@ -575,11 +606,9 @@ impl Endpoint {
     ) {
         let connected = self.state == LinkState::Connected;
         match kind {
-            ApplyKind::SyncWrite { offset, .. } => {
-                if outcome.is_ok()
-                    && let Some(chunk) = self.chunk_of(offset)
-                {
-                    self.clear_synced(chunk);
+            ApplyKind::SyncWrite { offset, data } => {
+                if outcome.is_ok() {
+                    self.clear_synced_range(offset, data.len() as u64);
                 }
                 if connected {
                     self.send(
@@ -599,7 +628,10 @@ impl Endpoint {
                     (Ok(()), Some(d)) if d.len() == len as usize => d,
                     _ => {
                         if let Some(s) = self.sync.as_mut() {
-                            s.inflight.remove(&chunk);
+                            let n = s.runs.remove(&chunk).unwrap_or(1);
+                            for c in chunk..chunk + n {
+                                s.inflight.remove(&c);
+                            }
                         }
                         return self.abort_sync(now, "reading the local replica failed");
                     }
@@ -677,9 +709,11 @@ impl Endpoint {
         }
         let chunks = self.meta.layout.chunks();
         let cap = self.sync_cap();
-        let window = match self.cfg.resync.rate {
-            ResyncRate::Dynamic { .. } if self.app_busy(now) => 1,
-            _ => self.cfg.resync.window.max(1),
+        let busy = matches!(self.cfg.resync.rate, ResyncRate::Dynamic { .. }) && self.app_busy(now);
+        let (window, max_run) = if busy {
+            (1, 1)
+        } else {
+            (self.cfg.resync.window.max(1), MAX_RUN)
         };
         loop {
             let Some(s) = self.sync.as_mut() else { return };
@@ -710,17 +744,34 @@ impl Endpoint {
                 }
             };
             let Some(chunk) = next else { break };
-            s.cursor = chunk + 1;
-            if cap > 0 {
-                s.budget -= chunk_bytes;
+            // Adjacent dirty chunks travel together (data only: checksums are per chunk).
+            let mut n = 1;
+            if s.kind == SyncKind::Bitmap {
+                while n < max_run
+                    && chunk + n < chunks
+                    && self.meta.bitmap.get(chunk + n)
+                    && !s.inflight.contains(&(chunk + n))
+                    && !s.pending_clear.contains(&(chunk + n))
+                {
+                    n += 1;
+                }
+                s.runs.insert(chunk, n);
             }
-            s.inflight.insert(chunk);
+            s.cursor = chunk + n;
+            if cap > 0 {
+                s.budget -= chunk_bytes * n as f64;
+            }
+            for c in chunk..chunk + n {
+                s.inflight.insert(c);
+            }
             let mode = match s.kind {
                 SyncKind::Verify => ReadMode::Verify,
                 SyncKind::Checksum => ReadMode::Crc,
                 SyncKind::Bitmap => ReadMode::Data,
             };
-            let (offset, len) = self.meta.layout.chunk_range(chunk);
+            let (offset, _) = self.meta.layout.chunk_range(chunk);
+            let (last, last_len) = self.meta.layout.chunk_range(chunk + n - 1);
+            let len = last + last_len - offset;
             self.push_apply(
                 ApplyKind::SyncRead {
                     offset,
