@@ -880,10 +880,19 @@ fn run_local(dev: Arc<dyn BlockDevice>, meta: Arc<dyn BlockDevice>, io: LocalIo)
                 (op, r.map(|()| None).map_err(kind))
             }
             LocalIo::Flush { op } => (op, dev.flush().await.map(|()| None).map_err(kind)),
-            LocalIo::Read { op, offset, len } => (
+            LocalIo::Read {
                 op,
-                dev.read(offset, len as usize).await.map(Some).map_err(kind),
-            ),
+                offset,
+                len,
+                once,
+            } => {
+                let r = if once {
+                    dev.read_once(offset, len as usize).await
+                } else {
+                    dev.read(offset, len as usize).await
+                };
+                (op, r.map(Some).map_err(kind))
+            }
             LocalIo::Meta {
                 op,
                 writes,

@@ -246,6 +246,24 @@ fn free_port() -> Result<u16, BoxError> {
         .port())
 }
 
+/// Read node 1's report lines until its first resync is done (then keep draining them
+/// in the background so the node never blocks on a full pipe).
+fn wait_for_sync(child: &mut Child) -> Result<(), BoxError> {
+    use std::io::BufRead;
+    let out = child.stdout.take().ok_or("node 1's stdout is not piped")?;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(out).lines() {
+            let Ok(line) = line else { break };
+            if line.starts_with("sync disk=bench done") {
+                let _ = tx.send(());
+            }
+        }
+    });
+    rx.recv_timeout(Duration::from_secs(300))
+        .map_err(|_| "the mirrored disk's first resync did not finish within 300 s".into())
+}
+
 fn wait_for_socket(sock: &Path, child: &mut Child) -> Result<(), BoxError> {
     let deadline = Instant::now() + Duration::from_secs(20);
     while Instant::now() < deadline {
@@ -301,6 +319,12 @@ fn start(
             }
             let port = free_port()?;
             let threads = node_threads.map_or(String::new(), |n| format!("threads = {n}\n"));
+            // Each node keeps its metadata in its own data_dir, fresh for every run.
+            let (dir1, dir2) = (dir.join("node1"), dir.join("node2"));
+            for d in [&dir1, &dir2] {
+                let _ = std::fs::remove_dir_all(d);
+                std::fs::create_dir_all(d)?;
+            }
             let disk = |peer: u32, path: &Path, nbd: &str| {
                 format!(
                     "[[peer]]\nid = {peer}\naddress = \"127.0.0.1:{port}\"\n\n[[disk]]\nname = \"bench\"\nsize = {size}\npath = {:?}\npeer = {peer}\n{nbd}",
@@ -312,7 +336,7 @@ fn start(
                 &cfg2,
                 format!(
                     "[node]\nid = 2\ndata_dir = {:?}\nlisten = \"127.0.0.1:{port}\"\n{threads}\n{}",
-                    dir.display().to_string(),
+                    dir2.display().to_string(),
                     disk(1, &peer_image, "")
                 ),
             )?;
@@ -329,7 +353,7 @@ fn start(
                 &cfg1,
                 format!(
                     "[node]\nid = 1\ndata_dir = {:?}\n{threads}\n{}",
-                    dir.display().to_string(),
+                    dir1.display().to_string(),
                     disk(2, image, &format!("nbd = \"unix:{}\"\n", sock.display()))
                 ),
             )?;
@@ -349,12 +373,21 @@ fn start(
             c
         }
     };
+    let mirrored = kind == ServerKind::VsanMirror;
     let mut child = cmd
         .stdin(Stdio::null())
-        .stdout(Stdio::null())
+        .stdout(if mirrored {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
         .stderr(Stdio::inherit())
         .spawn()?;
     wait_for_socket(&sock, &mut child)?;
+    if mirrored {
+        // The two fresh replicas compare every chunk first: measure after that.
+        wait_for_sync(&mut child)?;
+    }
     let mut children = vec![child];
     children.extend(extra);
     Ok((Running { children }, sock))

@@ -243,6 +243,14 @@ pub trait BlockDevice: Send + Sync {
 
     /// Write zeros over a range; with [`IoFlags::FUA`] durable on completion.
     fn write_zeroes(&self, offset: u64, len: u64, flags: IoFlags) -> IoFuture<'_, ()>;
+
+    /// [`read`](Self::read) for a pass over the disk that reads each range once (a
+    /// resync or verify): a device with a cache should not let it push out what the
+    /// application keeps there, nor keep what the pass brought in. Returns what `read`
+    /// would. By default, `read`.
+    fn read_once(&self, offset: u64, len: usize) -> IoFuture<'_, Bytes> {
+        self.read(offset, len)
+    }
 }
 
 /// A future that is already complete; what synchronous devices return.

@@ -179,6 +179,8 @@ pub enum LocalIo {
         offset: u64,
         /// Length.
         len: u32,
+        /// A resync or verify read: run it with `BlockDevice::read_once`.
+        once: bool,
     },
     /// Write these blocks of the metadata area, then make them durable. With
     /// `flush_data`, flush the local replica first (the metadata is about to forget
@@ -1235,7 +1237,12 @@ impl Endpoint {
                     );
                 } else {
                     let op = self.op_id(OpPurpose::PeerRead(self.link_epoch, id));
-                    self.local_io.push_back(LocalIo::Read { op, offset, len });
+                    self.local_io.push_back(LocalIo::Read {
+                        op,
+                        offset,
+                        len,
+                        once: false,
+                    });
                 }
             }
             Message::ReadReply { id, status, data } => {
@@ -1536,7 +1543,12 @@ impl Endpoint {
         } else {
             let op = self.op_id(OpPurpose::OwnRead(req));
             self.local_reads.insert(req, (offset, len));
-            self.local_io.push_back(LocalIo::Read { op, offset, len });
+            self.local_io.push_back(LocalIo::Read {
+                op,
+                offset,
+                len,
+                once: false,
+            });
         }
     }
 
@@ -1737,7 +1749,12 @@ impl Endpoint {
                 self.apply[i].started = true;
                 self.apply[i].running_ops = 1;
                 let op = self.op_id(OpPurpose::Apply(id));
-                self.local_io.push_back(LocalIo::Read { op, offset, len });
+                self.local_io.push_back(LocalIo::Read {
+                    op,
+                    offset,
+                    len,
+                    once: true,
+                });
                 return;
             }
         };

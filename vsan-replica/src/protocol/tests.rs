@@ -196,7 +196,9 @@ impl Pair {
                     (op, Ok(None))
                 }
             }
-            LocalIo::Read { op, offset, len } => {
+            LocalIo::Read {
+                op, offset, len, ..
+            } => {
                 if n.fail_local {
                     (op, Err(ErrorKind::Io))
                 } else {
