@@ -1001,3 +1001,104 @@ fn a_quorum_answer_during_a_handshake_waits_for_it() {
         assert_eq!(p.n[0].disk, p.n[1].disk, "granted {granted}");
     }
 }
+
+#[test]
+fn reads_of_chunks_not_yet_synced_go_to_the_source() {
+    const DISK: u64 = 64 * 1024;
+    const CHUNK: u64 = 4096;
+    let now = Instant::now();
+    let mk = |id: u32, peer: u32| {
+        let cfg = Config::new(id, peer, DiskId([7; 16]), "vol0", DISK, BS);
+        Node::with(cfg, CHUNK, 77, now)
+    };
+    let mut p = Pair {
+        now,
+        n: [mk(1, 2), mk(2, 1)],
+    };
+    p.connect();
+    p.run();
+    p.cut();
+    // Node 1 writes chunk 3 alone.
+    let w = p.write(0, 3 * CHUNK, fill(0x3c, CHUNK as usize), false);
+    p.run();
+    assert_eq!(p.n[0].result_of(w), Some(&Ok(None)));
+    // Reconnect, and stop as soon as node 2 knows it is the target of chunk 3 (both
+    // bitmaps exchanged) but before the chunk's data arrives.
+    p.connect();
+    for _ in 0..50 {
+        if p.n[1].ep.is_inconsistent() && p.n[1].ep.dirty_chunks() > 0 {
+            break;
+        }
+        let steps = p.steps();
+        let Some(&s) = steps.iter().find(|s| {
+            // Hold back node 1's resync read so the chunk cannot travel yet.
+            !(s.0 == 0
+                && s.1
+                    .is_some_and(|k| matches!(p.n[0].io[k], LocalIo::Read { once: true, .. })))
+        }) else {
+            break;
+        };
+        p.step(s);
+    }
+    assert!(
+        p.n[1].ep.is_inconsistent(),
+        "node 2 is not the sync target yet"
+    );
+    assert_eq!(
+        &p.n[1].disk[3 * CHUNK as usize..4 * CHUNK as usize],
+        &fill(0, CHUNK as usize)[..]
+    );
+    let now = p.now;
+    let r = p.n[1].ep.submit_read(now, 3 * CHUNK, 4096);
+    p.pump();
+    assert!(
+        p.n[0]
+            .inbox
+            .iter()
+            .any(|m| matches!(m, Message::Read { .. })),
+        "the read of an unsynced chunk did not go to the source"
+    );
+    p.run();
+    assert_eq!(
+        p.n[1].result_of(r),
+        Some(&Ok(Some(Bytes::from(fill(0x3c, 4096))))),
+        "node 2 served stale data"
+    );
+    assert_eq!(p.n[0].disk, p.n[1].disk);
+}
+
+#[test]
+fn without_quorum_reads_fail_or_wait_like_writes() {
+    // io-error: a denied node fails reads with NoQuorum.
+    let mut p = quorum_pair(QuorumPolicy::IoError);
+    p.cut();
+    let now = p.now;
+    p.n[1].ep.handle_quorum(now, false);
+    let r = p.n[1].ep.submit_read(now, 0, 512);
+    p.pump();
+    assert_eq!(p.n[1].result_of(r), Some(&Err(ErrorKind::NoQuorum)));
+    // Granted: reads are served locally.
+    p.n[1].ep.handle_quorum(now, true);
+    let r = p.n[1].ep.submit_read(now, 0, 512);
+    p.pump();
+    p.run();
+    assert!(matches!(p.n[1].result_of(r), Some(Ok(Some(_)))));
+
+    // suspend: a read waits while quorum is unknown or denied, and completes once the
+    // peer is back.
+    let mut p = quorum_pair(QuorumPolicy::Suspend);
+    p.cut();
+    let now = p.now;
+    p.n[1].ep.handle_quorum(now, false);
+    let r = p.n[1].ep.submit_read(now, 0, 512);
+    p.pump();
+    p.run();
+    assert_eq!(
+        p.n[1].result_of(r),
+        None,
+        "a read was served without quorum"
+    );
+    p.connect();
+    p.run();
+    assert!(matches!(p.n[1].result_of(r), Some(Ok(Some(_)))));
+}
