@@ -242,3 +242,37 @@ fn good_config_serves_and_stops_on_sigint() {
         "a RAM disk left an image file"
     );
 }
+
+/// A mirrored replica whose image was removed but whose metadata was not would claim
+/// data it no longer has: the node refuses to attach it (exit 1) and creates nothing.
+#[test]
+fn a_mirrored_disk_whose_image_is_gone_but_metadata_is_not_is_refused() {
+    let dir = TestDir::new("cfg-image-gone");
+    std::fs::create_dir_all(dir.data_dir()).expect("create the data dir");
+    let config = node_section(&dir)
+        + "\n[[peer]]\nid = 2\naddress = \"127.0.0.1:1\"\n"
+        + &disk_section("vol0", "\"4MiB\"", "127.0.0.1:0")
+        + "peer = 2\n";
+    let node = Node::start(&dir, &config, &["vol0"]);
+    node.stop_clean(Sig::TERM);
+    let (image, meta) = (
+        dir.data_dir().join("vol0.img"),
+        dir.data_dir().join("vol0.meta"),
+    );
+    assert!(meta.exists(), "no metadata was made for the mirrored disk");
+    std::fs::remove_file(&image).expect("remove the image");
+    let meta_before = std::fs::read(&meta).expect("read the metadata");
+    let out = run_node_to_exit(&dir, &config);
+    assert_eq!(out.status.code(), Some(1), "{out}");
+    assert!(
+        out.text().contains("exists but the image") && out.text().contains("vol0"),
+        "{out}"
+    );
+    assert!(!image.exists(), "the refused start created an image");
+    let meta_after = std::fs::read(&meta).expect("read the metadata");
+    assert_same_bytes(
+        &meta_after,
+        &meta_before,
+        "the metadata after a refused start",
+    );
+}

@@ -200,6 +200,22 @@ async fn run(config: Config, discard: Vec<String>) -> Result<(), StartError> {
     let mut mirrors: Vec<MirroredDisk> = Vec::new();
     let mut background = Vec::new();
     for (i, d) in config.disk.iter().enumerate() {
+        if d.peer.is_some() && d.backing == Backing::File {
+            // A replica whose image is gone but whose metadata is not would claim data it
+            // no longer has; it must come back as a new replica.
+            let meta_path = node.data_dir.join(format!("{}.meta", d.name));
+            let image = d.image_path(&node.data_dir);
+            if meta_path.exists() && !image.exists() {
+                return Err(StartError::Runtime(format!(
+                    "disk {}: refusing to attach: the metadata {} exists but the image {} does \
+                     not; a replaced replica is a new one: remove its metadata too and it is \
+                     synced in full from its peer",
+                    d.name,
+                    meta_path.display(),
+                    image.display()
+                )));
+            }
+        }
         let local = open_disk(i, d, &node.data_dir)?;
         let device: Arc<dyn BlockDevice> = match d.peer {
             None => local,
