@@ -87,7 +87,8 @@ mod tests {
     use crate::meta::DEFAULT_CHUNK_SIZE;
 
     fn layout() -> Layout {
-        Layout::new(1 << 30, DEFAULT_CHUNK_SIZE)
+        // 4 GiB: exactly as many extents as the log has slots.
+        Layout::new(4 << 30, DEFAULT_CHUNK_SIZE)
     }
 
     #[test]
@@ -122,16 +123,16 @@ mod tests {
         let mut b = good.to_vec();
         put(&mut b, AT_COUNT, &(AL_SLOTS as u32 + 1).to_le_bytes());
         refresh(&mut b);
-        assert!(err(&b).contains("over the 256 slots"));
-        let b = encode_al(&l, 3, &[256]);
+        assert!(err(&b).contains("over the 1024 slots"));
+        let b = encode_al(&l, 3, &[1024]);
         assert_eq!(
             err(&b),
-            "extent 256 is past the end of the disk (256 extents)"
+            "extent 1024 is past the end of the disk (1024 extents)"
         );
     }
 
     #[test]
-    #[should_panic(expected = "over its 256 slots")]
+    #[should_panic(expected = "over its 1024 slots")]
     fn too_many_extents_is_a_bug() {
         let extents: Vec<u64> = (0..=AL_SLOTS as u64).collect();
         encode_al(&layout(), 1, &extents);

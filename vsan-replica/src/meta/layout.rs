@@ -158,12 +158,13 @@ mod tests {
         assert_eq!(l.extents(), 256);
         assert_eq!(l.superblock_offset(0), 0);
         assert_eq!(l.superblock_offset(7), 4096);
-        assert_eq!(l.al_len(), 4096);
+        // 24 + 8 x 1024 + 4 bytes of record: three blocks.
+        assert_eq!(l.al_len(), 12288);
         assert_eq!(l.al_offset(2), 8192);
-        assert_eq!(l.al_offset(3), 12288);
-        assert_eq!(l.bitmap_offset(), 16384);
+        assert_eq!(l.al_offset(3), 8192 + 12288);
+        assert_eq!(l.bitmap_offset(), 8192 + 2 * 12288);
         assert_eq!(l.bitmap_blocks(), 1);
-        assert_eq!(l.total_len(), 20480);
+        assert_eq!(l.total_len(), 8192 + 2 * 12288 + 4096);
         assert_eq!(l.chunk_range(16383), ((1 << 30) - 65536, 65536));
         assert_eq!(l.chunks_of(0, 1), 0..1);
         assert_eq!(l.chunks_of(65535, 2), 0..2);
@@ -181,7 +182,7 @@ mod tests {
         // 4 TiB at 64 KiB: 2^26 chunks, 2^26 / 32768 = 2048 bitmap blocks.
         let l = Layout::new(4 << 40, DEFAULT_CHUNK_SIZE);
         assert_eq!(l.bitmap_blocks(), 2048);
-        assert_eq!(l.total_len(), 16384 + 2048 * 4096);
+        assert_eq!(l.total_len(), 8192 + 2 * 12288 + 2048 * 4096);
         // One chunk more than a block holds needs a second block.
         let l = Layout::new((BITS_PER_BLOCK + 1) * 4096, 4096);
         assert_eq!(l.bitmap_blocks(), 2);
@@ -196,7 +197,7 @@ mod tests {
         assert_eq!(l.chunk_range(2), (131072, 0));
         assert_eq!(l.chunks_of(0, 100 * 1024), 0..2);
         assert_eq!(l.bitmap_blocks(), 1);
-        assert_eq!(l.total_len(), 20480);
+        assert_eq!(l.total_len(), 8192 + 2 * 12288 + 4096);
         assert_eq!(l.extents(), 1);
         let l = Layout::checked(512, 4096, 512).unwrap();
         assert_eq!(l.chunks(), 1);

@@ -19,7 +19,7 @@
 //! |-------------------------|---------------------------|-----------------------------|
 //! | 0                       | 4096                      | superblock copy 0 (even seq) |
 //! | 4096                    | 4096                      | superblock copy 1 (odd seq)  |
-//! | 8192                    | `al_len` (4096)           | activity log copy 0 (even seq) |
+//! | 8192                    | `al_len` (12288)          | activity log copy 0 (even seq) |
 //! | 8192 + `al_len`         | `al_len`                  | activity log copy 1 (odd seq)  |
 //! | 8192 + 2 × `al_len`     | `bitmap_blocks` × 4096    | bitmap                      |
 //!
@@ -114,7 +114,7 @@ pub const DEFAULT_CHUNK_SIZE: u64 = 64 * 1024;
 pub const AL_EXTENT_SIZE: u64 = 4 * 1024 * 1024;
 
 /// How many extents the activity log holds at most.
-pub const AL_SLOTS: usize = 256;
+pub const AL_SLOTS: usize = 1024;
 
 /// A little-endian `u16` at `at` (the caller has checked the length).
 fn le_u16(b: &[u8], at: usize) -> u16 {

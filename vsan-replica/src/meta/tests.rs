@@ -103,12 +103,12 @@ async fn create_refuses_a_device_of_the_wrong_size() {
     let dev = device(8192);
     let e = create(&dev, &params()).await.unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidArgument);
-    assert!(e.to_string().contains("the layout needs 20480"), "{e}");
+    assert!(e.to_string().contains("the layout needs 36864"), "{e}");
 }
 
 #[tokio::test]
 async fn bad_params_are_refused_before_any_io() {
-    let dev = device(20480);
+    let dev = device(36864);
     let mut p = params();
     p.chunk_size = 1000;
     let (kind, msg) = open_err(&dev, &p).await;
@@ -134,17 +134,17 @@ async fn truncated_and_longer_metadata_is_corrupt() {
     let (kind, msg) = open_err(&short, &params()).await;
     assert_eq!(kind, ErrorKind::Corrupt);
     assert!(
-        msg.contains("metadata for disk \"vol0\" is truncated: 8192 bytes, the layout needs 20480"),
+        msg.contains("metadata for disk \"vol0\" is truncated: 8192 bytes, the layout needs 36864"),
         "{msg}"
     );
     let tiny = copy_to(&dev, 4096, 4096).await;
     let (kind, msg) = open_err(&tiny, &params()).await;
     assert_eq!(kind, ErrorKind::Corrupt);
     assert!(msg.contains("truncated: 4096 bytes"), "{msg}");
-    let long = copy_to(&dev, 20480, 24576).await;
+    let long = copy_to(&dev, 36864, 40960).await;
     let (kind, msg) = open_err(&long, &params()).await;
     assert_eq!(kind, ErrorKind::Corrupt);
-    assert!(msg.contains("24576 bytes, longer than the 20480"), "{msg}");
+    assert!(msg.contains("40960 bytes, longer than the 36864"), "{msg}");
 }
 
 #[tokio::test]
@@ -309,7 +309,7 @@ mod file {
         let p = params();
         let (dev, made, created) = open_or_create_file(&path, &p).await.unwrap();
         assert!(created);
-        assert_eq!(std::fs::metadata(&path).unwrap().len(), 20480);
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), 36864);
         assert_eq!(dev.geometry().block_size(), 512);
         assert_eq!(made.superblock.seq, 1);
         // Nothing left under the temporary name.
@@ -342,18 +342,18 @@ mod file {
         let msg = e.to_string();
         assert!(msg.contains(&path.display().to_string()), "{msg}");
         assert!(
-            msg.contains("is truncated: 8192 bytes, the layout needs 20480"),
+            msg.contains("is truncated: 8192 bytes, the layout needs 36864"),
             "{msg}"
         );
 
         // Too short to hold the superblocks, or not a whole number of blocks.
-        for len in [100, 5000, 20480 + 7] {
+        for len in [100, 5000, 36864 + 7] {
             f.set_len(len).unwrap();
             let e = file_err(&path, &p).await;
             assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
         }
         // Never re-initialised: the file is as the failed opens found it.
-        assert_eq!(std::fs::metadata(&path).unwrap().len(), 20480 + 7);
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), 36864 + 7);
     }
 
     #[tokio::test]

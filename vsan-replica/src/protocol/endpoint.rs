@@ -854,7 +854,11 @@ impl Endpoint {
                 return None;
             }
             idle.sort_unstable();
-            for (_, e) in idle.into_iter().take(missing - free) {
+            // Evict an eighth of the log at once (the least recently used idle extents):
+            // each eviction costs a flush of the replica, so a working set wider than
+            // the log pays one flush per many new extents, not one per extent.
+            let evict = (missing - free).max(AL_SLOTS / 8).min(idle.len());
+            for (_, e) in idle.into_iter().take(evict) {
                 self.meta.al.remove(&e);
             }
             // The log forgets these extents: their writes must be durable first.

@@ -875,7 +875,7 @@ fn shutdown_completes_when_the_last_completion_is_an_ack_or_a_flush() {
 #[test]
 fn a_discard_larger_than_the_activity_log_runs_with_its_chunks_marked() {
     let now = Instant::now();
-    let size: u64 = 2 << 30;
+    let size: u64 = 8 << 30;
     let cfg = Config::new(1, 2, DiskId([7; 16]), "vol0", size, BS);
     let meta = synced_meta(&cfg, 64 * 1024, 77);
     let mut ep = Endpoint::new(cfg, meta, now);
