@@ -9,15 +9,16 @@
 mod common;
 
 use std::ffi::OsStr;
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::process::{Command, Stdio};
-use std::sync::{Arc, Barrier, mpsc};
+use std::sync::{Arc, Barrier};
 use std::thread;
 use std::time::Duration;
 
 use common::{
-    Node, ProcessGuard, Region, Sig, TOOL_TIMEOUT, TestDir, ToolOutput, assert_same_bytes,
-    disk_section, node_section, qemu_io, read_file_range, require_tool, run_command, run_tool,
+    Node, ProcessGuard, Region, Sig, TOOL_TIMEOUT, TestDir, ToolOutput, assert_file_holds,
+    assert_same_bytes, disk_section, image, line_channel, node_section, qemu_io, read_file_range,
+    require_tool, run_command, run_tool,
 };
 use rand::{RngCore, SeedableRng};
 
@@ -148,16 +149,9 @@ fn qemu_io_patterns_survive_across_connections() {
     );
 
     node.stop_clean(Sig::TERM);
-    let image = dir.data_dir().join("vol0.img");
+    let image = image(&dir, "vol0");
     assert_eq!(std::fs::metadata(&image).map(|m| m.len()).ok(), Some(size));
-    for r in regions.iter().chain(&gaps) {
-        let got = read_file_range(&image, r.offset, r.len as usize);
-        assert_same_bytes(
-            &got,
-            &vec![r.byte; r.len as usize],
-            &format!("image at {r:?}"),
-        );
-    }
+    assert_file_holds(&image, regions.iter().chain(&gaps), "image");
 }
 
 #[test]
@@ -225,7 +219,7 @@ fn nbdcopy_round_trip_is_byte_identical() {
     assert_same_bytes(&got, &data, "nbdcopy out of the export");
 
     node.stop_clean(Sig::TERM);
-    let image = std::fs::read(dir.data_dir().join("vol0.img")).expect("read the image");
+    let image = std::fs::read(image(&dir, "vol0")).expect("read the image");
     assert_same_bytes(&image, &data, "image file after stop");
 }
 
@@ -343,15 +337,7 @@ fn sigterm_with_a_client_connected_flushes_and_exits_zero() {
     let stdout = child.stdout.take().expect("stdout is piped");
     let mut stdin = child.stdin.take().expect("stdin is piped");
     let mut client = ProcessGuard::new(child, None);
-    let (tx, lines) = mpsc::channel();
-    thread::spawn(move || {
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { break };
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
+    let lines = line_channel(stdout);
     let written = Region {
         byte: 0xc3,
         offset: 4096,
@@ -402,7 +388,7 @@ fn sigterm_with_a_client_connected_flushes_and_exits_zero() {
         stopped.log
     );
 
-    let image = dir.data_dir().join("vol0.img");
+    let image = image(&dir, "vol0");
     let got = read_file_range(&image, written.offset, written.len as usize);
     assert_same_bytes(
         &got,

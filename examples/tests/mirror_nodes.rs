@@ -13,102 +13,25 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::thread;
 use std::time::{Duration, Instant};
 
+use common::mirror::{
+    CONNECTED, Pair, Side, assert_replicas_identical, free_loopback_addr, start_acceptor,
+    start_dialer, start_pair, stop_both_clean,
+};
 use common::{
-    Node, Region, Sig, TOOL_TIMEOUT, TestDir, ToolOutput, assert_same_bytes, field, field_u64,
-    find_tool, read_file_range, require_tool, run_command, run_tool, toml_str,
+    Region, Sig, TestDir, ToolOutput, assert_file_holds, field, field_u64, image, qemu_io_flush,
+    qemu_io_reads, qemu_io_writes, read_file_range, require_tool, run_command,
 };
 
 const MIB: u64 = 1 << 20;
 /// How long a log line that some event will print may take to show up.
 const EVENT_TIMEOUT: Duration = Duration::from_secs(20);
-/// What each node logs once the two have shaken hands and mirror.
-const CONNECTED: &str = "peer connected: mirroring";
 /// A limit for one fio run.
 const FIO_TIMEOUT: Duration = Duration::from_secs(60);
-
-/// One node's side of a mirrored disk.
-#[derive(Debug, Clone)]
-struct Side {
-    id: u32,
-    disk: &'static str,
-    /// Written into the config as given (`"32MiB"` with the quotes, or a number).
-    size: &'static str,
-    peer_timeout_ms: u64,
-}
-
-impl Side {
-    fn new(id: u32, disk: &'static str, size: &'static str) -> Side {
-        Side {
-            id,
-            disk,
-            size,
-            peer_timeout_ms: 5000,
-        }
-    }
-
-    fn timeout(mut self, ms: u64) -> Side {
-        self.peer_timeout_ms = ms;
-        self
-    }
-
-    /// This side's config: `listen` for the acceptor (node 2), the peer's address for
-    /// the dialer (node 1).
-    fn config(&self, dir: &TestDir, listen: Option<&str>, peer_addr: &str) -> String {
-        let peer = if self.id == 1 { 2 } else { 1 };
-        let mut s = format!(
-            "[node]\nid = {}\ndata_dir = {}\npeer_timeout_ms = {}\n",
-            self.id,
-            toml_str(dir.data_dir()),
-            self.peer_timeout_ms
-        );
-        if let Some(l) = listen {
-            s += &format!("listen = {}\n", toml_str(l));
-        }
-        s += &format!(
-            "\n[[peer]]\nid = {peer}\naddress = {}\ntransport = \"tcp\"\n\n\
-             [[disk]]\nname = {}\nsize = {}\npeer = {peer}\nnbd = \"127.0.0.1:0\"\n",
-            toml_str(peer_addr),
-            toml_str(self.disk),
-            self.size
-        );
-        s
-    }
-}
-
-/// Start node 2 (the acceptor) listening on `listen`.
-fn start_acceptor(dir: &TestDir, side: &Side, listen: &str) -> Node {
-    // Node 2 never dials (the lower id does), so the address it is given for node 1 is
-    // not used; the config requires one.
-    let config = side.config(dir, Some(listen), "127.0.0.1:1");
-    Node::start_listening(dir, &config, &[side.disk])
-}
-
-/// Start node 1 (the dialer) pointed at node 2's replication address.
-fn start_dialer(dir: &TestDir, side: &Side, peer_addr: &str) -> Node {
-    Node::start(dir, &side.config(dir, None, peer_addr), &[side.disk])
-}
-
-/// Two started nodes and their directories.
-struct Pair {
-    dir1: TestDir,
-    dir2: TestDir,
-    n1: Node,
-    n2: Node,
-}
-
-/// Start node 2, then node 1 dialing it (no wait for the handshake).
-fn start_pair(tag: &str, s1: &Side, s2: &Side) -> Pair {
-    let dir1 = TestDir::new(&format!("{tag}-n1"));
-    let dir2 = TestDir::new(&format!("{tag}-n2"));
-    let n2 = start_acceptor(&dir2, s2, "127.0.0.1:0");
-    let n1 = start_dialer(&dir1, s1, n2.replication());
-    Pair { dir1, dir2, n1, n2 }
-}
 
 /// Start a pair mirroring `disk` of `size` and wait until both say they mirror.
 fn start_mirrored(tag: &str, disk: &'static str, size: &'static str, timeout_ms: u64) -> Pair {
@@ -124,62 +47,6 @@ fn start_mirrored(tag: &str, disk: &'static str, size: &'static str, timeout_ms:
     pair.n1.wait_stdout(&[&done], EVENT_TIMEOUT);
     pair.n2.wait_stdout(&[&done], EVENT_TIMEOUT);
     pair
-}
-
-fn image(dir: &TestDir, disk: &str) -> PathBuf {
-    dir.data_dir().join(format!("{disk}.img"))
-}
-
-/// Both replicas byte-identical: compared here, and by `cmp` where it is installed.
-fn assert_replicas_identical(a: &Path, b: &Path) {
-    let da = std::fs::read(a).unwrap_or_else(|e| panic!("read {}: {e}", a.display()));
-    let db = std::fs::read(b).unwrap_or_else(|e| panic!("read {}: {e}", b.display()));
-    assert_same_bytes(&db, &da, "node 2's replica against node 1's");
-    if find_tool("cmp") {
-        run_tool("cmp", &[a, b], TOOL_TIMEOUT).assert_success();
-    }
-}
-
-/// Stop both nodes with SIGTERM, each required to exit 0; node 1 first.
-fn stop_both_clean(n1: Node, n2: Node) {
-    n1.stop_clean(Sig::TERM);
-    n2.stop_clean(Sig::TERM);
-}
-
-/// `qemu-io -f raw <uri> -c <cmd>...`, one connection for all commands; required to exit
-/// 0 without a failed pattern or any error.
-fn qemu_io(uri: &str, cmds: &[String]) -> ToolOutput {
-    let out = common::qemu_io(uri, cmds);
-    let lower = out.text().to_lowercase();
-    assert!(
-        !lower.contains("pattern verification failed")
-            && !lower.contains("error")
-            && !lower.contains("failed"),
-        "qemu-io reported a problem:\n{out}"
-    );
-    out.assert_success();
-    out
-}
-
-fn qemu_io_writes(uri: &str, regions: &[Region]) {
-    let out = qemu_io(uri, &regions.iter().map(Region::write).collect::<Vec<_>>());
-    for r in regions {
-        assert!(
-            out.stdout.contains(&r.wrote_line()),
-            "missing {r:?}:\n{out}"
-        );
-    }
-}
-
-fn qemu_io_reads(uri: &str, regions: &[Region]) {
-    let out = qemu_io(uri, &regions.iter().map(Region::read).collect::<Vec<_>>());
-    for r in regions {
-        assert!(out.stdout.contains(&r.read_line()), "missing {r:?}:\n{out}");
-    }
-}
-
-fn qemu_io_flush(uri: &str) {
-    qemu_io(uri, &["flush".to_string()]);
 }
 
 /// `fio --ioengine=nbd --uri=<uri> <args>` in `dir`, within `limit`.
@@ -218,7 +85,9 @@ fn qemu_io_writes_on_one_node_read_back_on_the_other() {
         return;
     }
     let size = 32 * MIB;
-    let Pair { dir1, dir2, n1, n2 } = start_mirrored("mirror-qemu", "vol0", "\"32MiB\"", 5000);
+    let Pair {
+        dir1, dir2, n1, n2, ..
+    } = start_mirrored("mirror-qemu", "vol0", "\"32MiB\"", 5000);
     let (uri1, uri2) = (n1.uri("vol0"), n2.uri("vol0"));
 
     // Node 1 writes, node 2 reads.
@@ -254,14 +123,7 @@ fn qemu_io_writes_on_one_node_read_back_on_the_other() {
     let (img1, img2) = (image(&dir1, "vol0"), image(&dir2, "vol0"));
     assert_eq!(std::fs::metadata(&img1).map(|m| m.len()).ok(), Some(size));
     assert_replicas_identical(&img1, &img2);
-    for r in &expect {
-        let got = read_file_range(&img1, r.offset, r.len as usize);
-        assert_same_bytes(
-            &got,
-            &vec![r.byte; r.len as usize],
-            &format!("replica at {r:?}"),
-        );
-    }
+    assert_file_holds(&img1, &expect, "replica");
 }
 
 #[test]
@@ -270,7 +132,9 @@ fn fio_verify_on_both_nodes_at_once_on_disjoint_halves() {
         return;
     }
     let half = 16 * MIB;
-    let Pair { dir1, dir2, n1, n2 } = start_mirrored("mirror-fio", "vol0", "\"32MiB\"", 5000);
+    let Pair {
+        dir1, dir2, n1, n2, ..
+    } = start_mirrored("mirror-fio", "vol0", "\"32MiB\"", 5000);
     let jobs: Vec<_> = [(&n1, &dir1, 0), (&n2, &dir2, half)]
         .into_iter()
         .map(|(node, dir, offset)| {
@@ -331,7 +195,9 @@ fn overlap_hammer_from_both_nodes_leaves_identical_replicas() {
     if !require_tool("fio") || !require_tool("qemu-io") {
         return;
     }
-    let Pair { dir1, dir2, n1, n2 } = start_mirrored("mirror-hammer", "vol0", "\"16MiB\"", 5000);
+    let Pair {
+        dir1, dir2, n1, n2, ..
+    } = start_mirrored("mirror-hammer", "vol0", "\"16MiB\"", 5000);
     let jobs: Vec<_> = [(&n1, &dir1, 1), (&n2, &dir2, 2)]
         .into_iter()
         .map(|(node, dir, seed)| {
@@ -379,7 +245,9 @@ fn kill_9_of_the_peer_during_writes_the_survivor_goes_on() {
     if !require_tool("fio") {
         return;
     }
-    let Pair { dir1, dir2, n1, n2 } = start_mirrored("mirror-kill", "vol0", "\"32MiB\"", 1000);
+    let Pair {
+        dir1, dir2, n1, n2, ..
+    } = start_mirrored("mirror-kill", "vol0", "\"32MiB\"", 1000);
     // 4096 writes at 2000 a second: about 2 s of writing, with the kill early in it.
     let args = s(&[
         "--name=survivor",
@@ -516,8 +384,9 @@ fn partner_down_during_writes_resyncs_only_the_dirty_chunks() {
     }
     const DISK: u64 = 2048 * MIB;
     let side2 = Side::new(2, "vol0", "\"2GiB\"").timeout(1000);
-    let Pair { dir1, dir2, n1, n2 } =
-        start_mirrored("mirror-partner-down", "vol0", "\"2GiB\"", 1000);
+    let Pair {
+        dir1, dir2, n1, n2, ..
+    } = start_mirrored("mirror-partner-down", "vol0", "\"2GiB\"", 1000);
     let listen = n2.replication().to_string();
 
     // Writes are running on node 1 when node 2 dies.
@@ -605,7 +474,9 @@ fn kill_9_of_both_nodes_resync_is_bounded_by_the_activity_log() {
     const REGION: u64 = 64 * MIB;
     let side1 = Side::new(1, "vol0", "\"1GiB\"").timeout(1000);
     let side2 = Side::new(2, "vol0", "\"1GiB\"").timeout(1000);
-    let Pair { dir1, dir2, n1, n2 } = start_mirrored("mirror-kill-both", "vol0", "\"1GiB\"", 1000);
+    let Pair {
+        dir1, dir2, n1, n2, ..
+    } = start_mirrored("mirror-kill-both", "vol0", "\"1GiB\"", 1000);
     let listen = n2.replication().to_string();
     let blocks = REGION / BLOCK as u64;
     let log = std::sync::Arc::new(BlockLog::new(blocks));
@@ -705,11 +576,7 @@ fn the_dialing_node_may_start_first_and_retries_until_the_peer_listens() {
         return;
     }
     // Node 2's replication port must be known before node 2 starts: take a free one.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free loopback port");
-    let listen = format!("127.0.0.1:{port}");
+    let listen = free_loopback_addr();
     let dir1 = TestDir::new("mirror-dialer-first-n1");
     let dir2 = TestDir::new("mirror-dialer-first-n2");
     let s1 = Side::new(1, "vol0", "\"16MiB\"");

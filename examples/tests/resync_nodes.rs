@@ -13,15 +13,18 @@
 
 mod common;
 
-use std::io::Read;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use common::mirror::{
+    CONNECTED, Pair, Side, assert_files_identical, start_acceptor, start_dialer, start_pair,
+    start_pair_with, stop_both_clean,
+};
 use common::{
-    Node, Region, Sig, TestDir, ToolOutput, VSAN_NODE, assert_same_bytes, field, field_u64,
-    read_file_range, require_tool, run_node_to_exit, run_tool, toml_str,
+    Node, Region, Sig, TestDir, VSAN_NODE, assert_file_holds, assert_same_bytes, field, field_u64,
+    image, meta, qemu_io_writes_within, read_file_range, require_tool, run_node_to_exit,
 };
 
 const KIB: u64 = 1 << 10;
@@ -32,128 +35,47 @@ const CHUNK: u64 = 64 * KIB;
 const EVENT_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a full sync of an idle pair may take (dynamic rate, hundreds of MiB).
 const SYNC_TIMEOUT: Duration = Duration::from_secs(90);
-/// What each node logs once the two have shaken hands and mirror.
-const CONNECTED: &str = "peer connected: mirroring";
 /// A limit for one qemu-io run of many writes.
 const QEMU_IO_TIMEOUT: Duration = Duration::from_secs(120);
 
-/// One node's side of a mirrored disk.
-#[derive(Debug, Clone)]
-struct Side {
-    id: u32,
-    disk: &'static str,
-    /// Written into the config as given (`"32MiB"` with the quotes).
-    size: &'static str,
-    peer_timeout_ms: u64,
-    /// `resync_rate`, written as a TOML string when set.
-    rate: Option<&'static str>,
-}
-
-impl Side {
-    fn new(id: u32, size: &'static str) -> Side {
-        Side {
-            id,
-            disk: "vol0",
-            size,
-            peer_timeout_ms: 1000,
-            rate: None,
-        }
-    }
-
-    fn rate(mut self, rate: &'static str) -> Side {
-        self.rate = Some(rate);
-        self
-    }
-
-    /// This side's config: `listen` for the acceptor (node 2), the peer's address for
-    /// the dialer (node 1).
-    fn config(&self, dir: &TestDir, listen: Option<&str>, peer_addr: &str) -> String {
-        let peer = if self.id == 1 { 2 } else { 1 };
-        let mut s = format!(
-            "[node]\nid = {}\ndata_dir = {}\npeer_timeout_ms = {}\n",
-            self.id,
-            toml_str(dir.data_dir()),
-            self.peer_timeout_ms
-        );
-        if let Some(l) = listen {
-            s += &format!("listen = {}\n", toml_str(l));
-        }
-        s += &format!(
-            "\n[[peer]]\nid = {peer}\naddress = {}\ntransport = \"tcp\"\n\n\
-             [[disk]]\nname = {}\nsize = {}\npeer = {peer}\nnbd = \"127.0.0.1:0\"\n",
-            toml_str(peer_addr),
-            toml_str(self.disk),
-            self.size
-        );
-        if let Some(r) = self.rate {
-            s += &format!("resync_rate = {}\n", toml_str(r));
-        }
-        s
-    }
-}
-
-/// Start node 2 (the acceptor) listening on `listen`.
-fn start_acceptor(dir: &TestDir, side: &Side, listen: &str) -> Node {
-    // Node 2 never dials (the lower id does); the config requires an address anyway.
-    let config = side.config(dir, Some(listen), "127.0.0.1:1");
-    Node::start_listening(dir, &config, &[side.disk])
-}
-
-/// Start node 1 (the dialer) pointed at node 2's replication address.
-fn start_dialer(dir: &TestDir, side: &Side, peer_addr: &str) -> Node {
-    Node::start(dir, &side.config(dir, None, peer_addr), &[side.disk])
-}
-
-/// Two nodes, their directories, and where node 2 listens (for its restarts).
-struct Pair {
-    dir1: TestDir,
-    dir2: TestDir,
-    n1: Node,
-    n2: Node,
-    listen: String,
-}
-
-/// Start node 2, then node 1 dialing it (no wait for the handshake).
-fn start_pair(tag: &str, s1: &Side, s2: &Side, prepare: impl FnOnce(&TestDir, &TestDir)) -> Pair {
-    let dir1 = TestDir::new(&format!("{tag}-n1"));
-    let dir2 = TestDir::new(&format!("{tag}-n2"));
-    prepare(&dir1, &dir2);
-    let n2 = start_acceptor(&dir2, s2, "127.0.0.1:0");
-    let listen = n2.replication().to_string();
-    let n1 = start_dialer(&dir1, s1, &listen);
-    Pair {
-        dir1,
-        dir2,
-        n1,
-        n2,
-        listen,
-    }
+/// Node `id`'s side of `vol0` of `size` (`"32MiB"` with the quotes), with a 1 s peer
+/// timeout.
+fn side(id: u32, size: &'static str) -> Side {
+    Side::new(id, "vol0", size).timeout(1000)
 }
 
 /// Start a new pair and wait until the first full (checksum) sync has finished on both
 /// nodes and node 2's metadata says it is in sync.
 fn start_synced(tag: &str, s1: &Side, s2: &Side) -> Pair {
-    let pair = start_pair(tag, s1, s2, |_, _| {});
+    let pair = start_pair(tag, s1, s2);
     pair.n1.wait_log(CONNECTED, EVENT_TIMEOUT);
     pair.n2.wait_log(CONNECTED, EVENT_TIMEOUT);
-    pair.n1.wait_stdout(
-        &["sync disk=vol0 done ", "kind=checksum", "role=source"],
-        SYNC_TIMEOUT,
-    );
-    pair.n2.wait_stdout(
-        &["sync disk=vol0 done ", "kind=checksum", "role=target"],
-        SYNC_TIMEOUT,
-    );
+    wait_sync(&pair.n1, "done", "checksum", "source", SYNC_TIMEOUT);
+    wait_sync(&pair.n2, "done", "checksum", "target", SYNC_TIMEOUT);
     wait_meta_in_sync(&meta(&pair.dir2, "vol0"));
     pair
 }
 
-fn image(dir: &TestDir, disk: &str) -> PathBuf {
-    dir.data_dir().join(format!("{disk}.img"))
+/// Stop both nodes cleanly (node 1 first) and require byte-identical replicas of vol0;
+/// returns node 2's image.
+fn stop_identical(n1: Node, n2: Node, dir1: &TestDir, dir2: &TestDir) -> PathBuf {
+    stop_both_clean(n1, n2);
+    let (img1, img2) = (image(dir1, "vol0"), image(dir2, "vol0"));
+    assert_files_identical(&img1, &img2);
+    img2
 }
 
-fn meta(dir: &TestDir, disk: &str) -> PathBuf {
-    dir.data_dir().join(format!("{disk}.meta"))
+/// Wait until `node` reports `sync disk=vol0 <what> ` with `kind=<kind>` and
+/// `role=<role>`; returns the line.
+fn wait_sync(node: &Node, what: &str, kind: &str, role: &str, limit: Duration) -> String {
+    node.wait_stdout(
+        &[
+            &format!("sync disk=vol0 {what} "),
+            &format!("kind={kind}"),
+            &format!("role={role}"),
+        ],
+        limit,
+    )
 }
 
 /// Wait until the newest superblock copy of the metadata at `path` is consistent and
@@ -184,50 +106,6 @@ fn wait_meta_in_sync(path: &Path) {
     }
 }
 
-/// Both files byte-identical, compared a MiB at a time.
-fn assert_files_identical(a: &Path, b: &Path) {
-    let open =
-        |p: &Path| std::fs::File::open(p).unwrap_or_else(|e| panic!("open {}: {e}", p.display()));
-    let (fa, fb) = (open(a), open(b));
-    let (la, lb) = (
-        fa.metadata().expect("stat").len(),
-        fb.metadata().expect("stat").len(),
-    );
-    assert_eq!(
-        la,
-        lb,
-        "{} and {} differ in length",
-        a.display(),
-        b.display()
-    );
-    let (mut ra, mut rb) = (std::io::BufReader::new(fa), std::io::BufReader::new(fb));
-    let mut ba = vec![0u8; MIB as usize];
-    let mut bb = vec![0u8; MIB as usize];
-    let mut at = 0u64;
-    while at < la {
-        let n = (la - at).min(MIB) as usize;
-        ra.read_exact(&mut ba[..n]).expect("read the first file");
-        rb.read_exact(&mut bb[..n]).expect("read the second file");
-        if let Some(i) = ba[..n].iter().zip(&bb[..n]).position(|(x, y)| x != y) {
-            panic!(
-                "{} and {} differ at byte {} ({:#04x} vs {:#04x})",
-                a.display(),
-                b.display(),
-                at + i as u64,
-                ba[i],
-                bb[i]
-            );
-        }
-        at += n as u64;
-    }
-}
-
-/// Stop both nodes with SIGTERM, each required to exit 0; node 1 first.
-fn stop_both_clean(n1: Node, n2: Node) {
-    n1.stop_clean(Sig::TERM);
-    n2.stop_clean(Sig::TERM);
-}
-
 /// Deterministic pseudo-random bytes (xorshift64*).
 fn pseudo_random(seed: u64, len: usize) -> Vec<u8> {
     let mut x = seed | 1;
@@ -254,37 +132,9 @@ fn scattered_slots(seed: u64, slots: u64, count: usize) -> Vec<u64> {
     all
 }
 
-/// `qemu-io -f raw <uri> -c <cmd>...` within `limit`, required to exit 0 without errors.
-fn qemu_io(uri: &str, cmds: &[String], limit: Duration) -> ToolOutput {
-    let mut args = vec!["-f".to_string(), "raw".to_string(), uri.to_string()];
-    for c in cmds {
-        args.push("-c".to_string());
-        args.push(c.clone());
-    }
-    let out = run_tool("qemu-io", &args, limit);
-    let lower = out.text().to_lowercase();
-    assert!(
-        !lower.contains("pattern verification failed")
-            && !lower.contains("error")
-            && !lower.contains("failed"),
-        "qemu-io reported a problem:\n{out}"
-    );
-    out.assert_success();
-    out
-}
-
+/// Write `regions` on one qemu-io connection (see [`QEMU_IO_TIMEOUT`]).
 fn qemu_io_writes(uri: &str, regions: &[Region]) {
-    let out = qemu_io(
-        uri,
-        &regions.iter().map(Region::write).collect::<Vec<_>>(),
-        QEMU_IO_TIMEOUT,
-    );
-    for r in regions {
-        assert!(
-            out.stdout.contains(&r.wrote_line()),
-            "missing {r:?}:\n{out}"
-        );
-    }
+    qemu_io_writes_within(uri, regions, QEMU_IO_TIMEOUT);
 }
 
 /// The pid of the `vsan-node` process running on `config` (found in /proc by its exact
@@ -349,11 +199,11 @@ fn checksum_resync_of_nearly_identical_replicas_transfers_only_the_differing_chu
     let content = pseudo_random(0x5eed_0001, size as usize);
     // Ten chunks spread over the disk, each different on node 2.
     let differing: [u64; 10] = [3, 97, 211, 350, 402, 555, 640, 777, 901, 1023];
-    let side1 = Side::new(1, "\"64MiB\"");
-    let side2 = Side::new(2, "\"64MiB\"");
+    let side1 = side(1, "\"64MiB\"");
+    let side2 = side(2, "\"64MiB\"");
     let Pair {
         dir1, dir2, n1, n2, ..
-    } = start_pair("resync-csum", &side1, &side2, |d1, d2| {
+    } = start_pair_with("resync-csum", &side1, &side2, |d1, d2| {
         for d in [d1, d2] {
             std::fs::create_dir_all(d.data_dir()).expect("create data dir");
         }
@@ -367,14 +217,8 @@ fn checksum_resync_of_nearly_identical_replicas_transfers_only_the_differing_chu
         std::fs::write(image(d2, "vol0"), &other).expect("write node 2's image");
     });
 
-    let done1 = n1.wait_stdout(
-        &["sync disk=vol0 done ", "kind=checksum", "role=source"],
-        SYNC_TIMEOUT,
-    );
-    let done2 = n2.wait_stdout(
-        &["sync disk=vol0 done ", "kind=checksum", "role=target"],
-        SYNC_TIMEOUT,
-    );
+    let done1 = wait_sync(&n1, "done", "checksum", "source", SYNC_TIMEOUT);
+    let done2 = wait_sync(&n2, "done", "checksum", "target", SYNC_TIMEOUT);
     let want = differing.len() as u64 * CHUNK;
     assert_eq!(field_u64(&done1, "total"), size, "{done1}");
     assert_eq!(field_u64(&done1, "done"), size, "{done1}");
@@ -395,9 +239,7 @@ fn checksum_resync_of_nearly_identical_replicas_transfers_only_the_differing_chu
         n1.stdout_lines()
     );
 
-    stop_both_clean(n1, n2);
-    let (img1, img2) = (image(&dir1, "vol0"), image(&dir2, "vol0"));
-    assert_files_identical(&img1, &img2);
+    let img2 = stop_identical(n1, n2, &dir1, &dir2);
     let got = std::fs::read(&img2).expect("read node 2's replica");
     assert_same_bytes(&got, &content, "node 2's replica against the source data");
 }
@@ -411,8 +253,8 @@ fn sigusr1_online_verify_repairs_a_block_corrupted_on_the_peer() {
         dir1, dir2, n1, n2, ..
     } = start_synced(
         "resync-verify",
-        &Side::new(1, "\"16MiB\""),
-        &Side::new(2, "\"16MiB\""),
+        &side(1, "\"16MiB\""),
+        &side(2, "\"16MiB\""),
     );
     let written = Region::new(0x5a, 4 * MIB, MIB);
     qemu_io_writes(&n1.uri("vol0"), &[written]);
@@ -444,10 +286,7 @@ fn sigusr1_online_verify_repairs_a_block_corrupted_on_the_peer() {
     );
 
     signal_node(&n1, Sig::USR1);
-    let done = n1.wait_stdout(
-        &["sync disk=vol0 done ", "kind=verify", "role=source"],
-        SYNC_TIMEOUT,
-    );
+    let done = wait_sync(&n1, "done", "verify", "source", SYNC_TIMEOUT);
     assert_eq!(field_u64(&done, "mismatches"), 1, "{done}");
     assert_eq!(field_u64(&done, "total"), 16 * MIB, "{done}");
     assert_eq!(
@@ -456,8 +295,7 @@ fn sigusr1_online_verify_repairs_a_block_corrupted_on_the_peer() {
         "the repair should send the one differing chunk: {done}"
     );
 
-    stop_both_clean(n1, n2);
-    assert_files_identical(&image(&dir1, "vol0"), &img2);
+    stop_identical(n1, n2, &dir1, &dir2);
     let got = read_file_range(&img2, written.offset, written.len as usize);
     assert_same_bytes(&got, &want, "node 2's repaired data");
 }
@@ -475,40 +313,33 @@ fn degraded_writes_then_resync(
     written: usize,
     rate: &'static str,
 ) -> (Pair, Side, Vec<Region>) {
-    let Pair {
-        dir1,
-        dir2,
-        n1,
-        n2,
-        listen,
-    } = start_synced(tag, &Side::new(1, size), &Side::new(2, size));
-    let killed = n2.stop(Sig::KILL);
+    let mut pair = start_synced(tag, &side(1, size), &side(2, size));
+    let killed = pair.n2.stop(Sig::KILL);
     assert!(!killed.status.success(), "kill -9: {}", killed.status);
-    n1.wait_log("peer lost", EVENT_TIMEOUT);
+    pair.n1.wait_log("peer lost", EVENT_TIMEOUT);
 
     let regions: Vec<Region> = scattered_slots(0x51075, slots, written)
         .into_iter()
         .enumerate()
         .map(|(i, slot)| Region::new(0x10 + (i % 200) as u8, slot * MIB, MIB))
         .collect();
-    qemu_io_writes(&n1.uri("vol0"), &regions);
-    n1.stop_clean(Sig::TERM);
+    qemu_io_writes(&pair.n1.uri("vol0"), &regions);
+    pair.n1.stop_clean(Sig::TERM);
 
-    let side1 = Side::new(1, size).rate(rate);
-    let side2 = Side::new(2, size).rate(rate);
-    let n1 = start_dialer(&dir1, &side1, &listen);
-    let n2 = start_acceptor(&dir2, &side2, &listen);
-    (
-        Pair {
-            dir1,
-            dir2,
-            n1,
-            n2,
-            listen,
-        },
-        side1,
-        regions,
-    )
+    let side1 = side(1, size).resync_rate(rate);
+    let side2 = side(2, size).resync_rate(rate);
+    pair.n1 = start_dialer(&pair.dir1, &side1, &pair.listen);
+    pair.n2 = start_acceptor(&pair.dir2, &side2, &pair.listen);
+    (pair, side1, regions)
+}
+
+/// Wait for node 1's `done` line of the bitmap resync it is the source of, which must
+/// have gone through all of `total`; returns the line.
+fn wait_bitmap_done(n1: &Node, total: u64) -> String {
+    let done = wait_sync(n1, "done", "bitmap", "source", Duration::from_secs(60));
+    assert_eq!(field_u64(&done, "total"), total, "{done}");
+    assert_eq!(field_u64(&done, "done"), total, "{done}");
+    done
 }
 
 #[test]
@@ -525,26 +356,15 @@ fn a_fixed_resync_rate_is_held_and_progress_is_reported() {
     } = pair;
     let total = written as u64 * MIB;
 
-    let started = n1.wait_stdout(
-        &["sync disk=vol0 started ", "kind=bitmap", "role=source"],
-        EVENT_TIMEOUT,
-    );
+    let started = wait_sync(&n1, "started", "bitmap", "source", EVENT_TIMEOUT);
     assert_eq!(
         field_u64(&started, "total"),
         total,
         "the resync should cover exactly the chunks written while node 2 was away: {started}"
     );
-    n2.wait_stdout(
-        &["sync disk=vol0 started ", "kind=bitmap", "role=target"],
-        EVENT_TIMEOUT,
-    );
+    wait_sync(&n2, "started", "bitmap", "target", EVENT_TIMEOUT);
     // 160 MiB at 8 MiB/s: about 20 s; allow for a slow machine.
-    let done = n1.wait_stdout(
-        &["sync disk=vol0 done ", "kind=bitmap", "role=source"],
-        Duration::from_secs(60),
-    );
-    assert_eq!(field_u64(&done, "total"), total, "{done}");
-    assert_eq!(field_u64(&done, "done"), total, "{done}");
+    let done = wait_bitmap_done(&n1, total);
     assert_eq!(field_u64(&done, "transferred"), total, "{done}");
     let elapsed_ms = field_u64(&done, "elapsed_ms");
     let measured = total as f64 * 1000.0 / elapsed_ms.max(1) as f64;
@@ -597,17 +417,8 @@ fn a_fixed_resync_rate_is_held_and_progress_is_reported() {
         lines.join("\n")
     );
 
-    stop_both_clean(n1, n2);
-    let (img1, img2) = (image(&dir1, "vol0"), image(&dir2, "vol0"));
-    assert_files_identical(&img1, &img2);
-    for r in regions.iter().step_by(16) {
-        let got = read_file_range(&img2, r.offset, r.len as usize);
-        assert_same_bytes(
-            &got,
-            &vec![r.byte; r.len as usize],
-            &format!("node 2's replica at {r:?}"),
-        );
-    }
+    let img2 = stop_identical(n1, n2, &dir1, &dir2);
+    assert_file_holds(&img2, regions.iter().step_by(16), "node 2's replica");
 }
 
 #[test]
@@ -627,10 +438,7 @@ fn a_resync_whose_source_is_killed_resumes_from_its_last_checkpoint() {
         listen,
     } = pair;
 
-    let started = n1.wait_stdout(
-        &["sync disk=vol0 started ", "kind=bitmap", "role=source"],
-        EVENT_TIMEOUT,
-    );
+    let started = wait_sync(&n1, "started", "bitmap", "source", EVENT_TIMEOUT);
     let first_total = field_u64(&started, "total");
     assert_eq!(first_total, written as u64 * MIB, "{started}");
 
@@ -656,16 +464,10 @@ fn a_resync_whose_source_is_killed_resumes_from_its_last_checkpoint() {
     let done_at_kill = field_u64(&at_kill, "done");
     let killed = n1.stop(Sig::KILL);
     assert!(!killed.status.success(), "kill -9: {}", killed.status);
-    n2.wait_stdout(
-        &["sync disk=vol0 interrupted ", "kind=bitmap", "role=target"],
-        EVENT_TIMEOUT,
-    );
+    wait_sync(&n2, "interrupted", "bitmap", "target", EVENT_TIMEOUT);
 
     let n1 = start_dialer(&dir1, &side1, &listen);
-    let again = n1.wait_stdout(
-        &["sync disk=vol0 started ", "kind=bitmap", "role=source"],
-        EVENT_TIMEOUT,
-    );
+    let again = wait_sync(&n1, "started", "bitmap", "source", EVENT_TIMEOUT);
     let second_total = field_u64(&again, "total");
     // Up to two checkpoint intervals (1 s each) of progress may not have been durable.
     let margin = 2 * rate + MIB;
@@ -676,44 +478,23 @@ fn a_resync_whose_source_is_killed_resumes_from_its_last_checkpoint() {
     );
     assert!(second_total > 0, "{again}");
 
-    let done = n1.wait_stdout(
-        &["sync disk=vol0 done ", "kind=bitmap", "role=source"],
-        Duration::from_secs(60),
-    );
-    assert_eq!(field_u64(&done, "total"), second_total, "{done}");
-    assert_eq!(field_u64(&done, "done"), second_total, "{done}");
-    n2.wait_stdout(
-        &["sync disk=vol0 done ", "kind=bitmap", "role=target"],
-        EVENT_TIMEOUT,
-    );
+    wait_bitmap_done(&n1, second_total);
+    wait_sync(&n2, "done", "bitmap", "target", EVENT_TIMEOUT);
 
-    stop_both_clean(n1, n2);
-    let (img1, img2) = (image(&dir1, "vol0"), image(&dir2, "vol0"));
-    assert_files_identical(&img1, &img2);
-    for r in &regions {
-        let got = read_file_range(&img2, r.offset, r.len as usize);
-        assert_same_bytes(
-            &got,
-            &vec![r.byte; r.len as usize],
-            &format!("node 2's replica at {r:?}"),
-        );
-    }
+    let img2 = stop_identical(n1, n2, &dir1, &dir2);
+    assert_file_holds(&img2, &regions, "node 2's replica");
 }
 
 /// A node with one mirrored disk whose peer is never there (node 2 at a closed port):
 /// the node starts and serves alone, with metadata for the disk.
-fn lone_config(dir: &TestDir, disk: &str) -> String {
-    format!(
-        "[node]\nid = 1\ndata_dir = {}\npeer_timeout_ms = 1000\n\n\
-         [[peer]]\nid = 2\naddress = \"127.0.0.1:1\"\ntransport = \"tcp\"\n\n\
-         [[disk]]\nname = {}\nsize = \"16MiB\"\npeer = 2\nnbd = \"127.0.0.1:0\"\n",
-        toml_str(dir.data_dir()),
-        toml_str(disk)
-    )
+fn lone_config(dir: &TestDir, disk: &'static str) -> String {
+    Side::new(1, disk, "\"16MiB\"")
+        .timeout(1000)
+        .config(dir, None, "127.0.0.1:1")
 }
 
 /// Start a lone node for `disk` once and stop it cleanly; its metadata must exist then.
-fn run_lone_once(dir: &TestDir, disk: &str) -> PathBuf {
+fn run_lone_once(dir: &TestDir, disk: &'static str) -> PathBuf {
     let node = Node::start(dir, &lone_config(dir, disk), &[disk]);
     node.wait_log("metadata created", EVENT_TIMEOUT);
     node.stop_clean(Sig::TERM);

@@ -21,20 +21,19 @@
 
 mod common;
 
-use std::fs::OpenOptions;
-use std::io::{BufRead, BufReader, Read};
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::sync::{Arc, Mutex, mpsc};
 use std::thread;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use common::mirror::{
+    CONNECTED, Side, assert_replicas_identical, free_loopback_addr, start_acceptor,
+    start_acceptor_with_args, start_dialer, stop_both_clean,
+};
 use common::proxy::Proxy;
+use common::witness::Witness;
 use common::{
-    Node, ProcessGuard, READY_TIMEOUT, Region, STOP_TIMEOUT, Sig, TOOL_TIMEOUT, TestDir,
-    ToolOutput, VSAN_NODE, assert_same_bytes, find_tool, read_file_range, require_tool, run_tool,
-    strip_ansi, toml_str,
+    Node, Region, Sig, TestDir, assert_file_holds, image, qemu_io_reads, qemu_io_writes,
+    require_tool,
 };
 
 const MIB: u64 = 1 << 20;
@@ -47,8 +46,6 @@ const SIZE: &str = "\"16MiB\"";
 const PEER_TIMEOUT_MS: u64 = 1000;
 /// How long something the nodes will do may take to show up (generous for a 2-core box).
 const EVENT_TIMEOUT: Duration = Duration::from_secs(20);
-/// Logged on each node once the two have shaken hands and mirror.
-const CONNECTED: &str = "peer connected: mirroring";
 /// Logged on each node when the link to its peer breaks.
 const PEER_LOST: &str = "peer lost";
 /// Logged by a node each time a link to the peer is handed to its disk.
@@ -58,70 +55,12 @@ const SYNC_DONE: &str = "sync disk=vol0 done";
 /// A refused or lost link, on stdout.
 const PROBLEM: &str = "problem disk=vol0";
 const SPLIT_BRAIN: &str = "split brain";
-const VSAN_WITNESS: &str = env!("CARGO_BIN_EXE_vsan-witness");
 
 // ----- configs and processes -----
 
-/// One node's side of the mirrored disk.
-#[derive(Debug, Clone)]
-struct Side {
-    id: u32,
-    split_brain: Option<&'static str>,
-    witness: Option<String>,
-    quorum: Option<&'static str>,
-}
-
-impl Side {
-    fn new(id: u32) -> Side {
-        Side {
-            id,
-            split_brain: None,
-            witness: None,
-            quorum: None,
-        }
-    }
-
-    fn split_brain(mut self, policy: &'static str) -> Side {
-        self.split_brain = Some(policy);
-        self
-    }
-
-    /// Ask the witness at `addr`; `quorum` None leaves the policy to its default.
-    fn witness(mut self, addr: impl ToString, quorum: Option<&'static str>) -> Side {
-        self.witness = Some(addr.to_string());
-        self.quorum = quorum;
-        self
-    }
-
-    /// This side's config: `listen` for the acceptor (node 2), the address to dial for
-    /// node 1.
-    fn config(&self, dir: &TestDir, listen: Option<&str>, peer_addr: &str) -> String {
-        let peer = if self.id == 1 { 2 } else { 1 };
-        let mut s = format!(
-            "[node]\nid = {}\ndata_dir = {}\npeer_timeout_ms = {PEER_TIMEOUT_MS}\n",
-            self.id,
-            toml_str(dir.data_dir())
-        );
-        if let Some(l) = listen {
-            s += &format!("listen = {}\n", toml_str(l));
-        }
-        if let Some(w) = &self.witness {
-            s += &format!("witness = {}\n", toml_str(w));
-        }
-        if let Some(q) = self.quorum {
-            s += &format!("quorum = {}\n", toml_str(q));
-        }
-        s += &format!(
-            "\n[[peer]]\nid = {peer}\naddress = {}\ntransport = \"tcp\"\n\n\
-             [[disk]]\nname = {}\nsize = {SIZE}\npeer = {peer}\nnbd = \"127.0.0.1:0\"\n",
-            toml_str(peer_addr),
-            toml_str(DISK),
-        );
-        if let Some(p) = self.split_brain {
-            s += &format!("split_brain = {}\n", toml_str(p));
-        }
-        s
-    }
+/// Node `id`'s side of the mirrored disk.
+fn side(id: u32) -> Side {
+    Side::new(id, DISK, SIZE).timeout(PEER_TIMEOUT_MS)
 }
 
 /// Two nodes mirroring `vol0` through the link proxy, and their directories.
@@ -139,22 +78,13 @@ struct Pair {
 fn start_pair(tag: &str, s1: &Side, s2: &Side, listen2: &str) -> Pair {
     let dir1 = TestDir::new(&format!("{tag}-n1"));
     let dir2 = TestDir::new(&format!("{tag}-n2"));
-    // Node 2 never dials; the config requires an address for its peer all the same.
-    let n2 = Node::start_listening(
-        &dir2,
-        &s2.config(&dir2, Some(listen2), "127.0.0.1:1"),
-        &[DISK],
-    );
+    let n2 = start_acceptor(&dir2, s2, listen2);
     let target: SocketAddr = n2
         .replication()
         .parse()
         .expect("node 2's replication address");
     let link = Proxy::start(target);
-    let n1 = Node::start(
-        &dir1,
-        &s1.config(&dir1, None, &link.addr().to_string()),
-        &[DISK],
-    );
+    let n1 = start_dialer(&dir1, s1, &link.addr().to_string());
     // Two fresh replicas: a full checksum sync from the lower id.
     n1.wait_stdout(&[SYNC_DONE, "kind=checksum", "role=source"], EVENT_TIMEOUT);
     n2.wait_stdout(&[SYNC_DONE, "kind=checksum", "role=target"], EVENT_TIMEOUT);
@@ -169,242 +99,7 @@ fn start_pair(tag: &str, s1: &Side, s2: &Side, listen2: &str) -> Pair {
     }
 }
 
-/// A free loopback port, for a listener that must keep its address across a restart.
-fn free_loopback_addr() -> String {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free loopback port");
-    format!("127.0.0.1:{port}")
-}
-
-/// A `vsan-node` started with extra command-line arguments (the common `Node` passes
-/// only `--config`), on the `node.toml` already in `dir`. Ended (SIGTERM, then SIGKILL)
-/// when dropped.
-struct ArgNode {
-    process: ProcessGuard,
-    stdout: Arc<Mutex<Vec<String>>>,
-    stderr: Arc<Mutex<Vec<u8>>>,
-    /// Disconnects once stderr has been read to its end.
-    stderr_done: mpsc::Receiver<()>,
-    nbd: String,
-    replication: String,
-}
-
-impl ArgNode {
-    /// Start it and wait for its `ready replication=` and `ready disk=vol0` lines.
-    fn start(dir: &TestDir, args: &[&str]) -> ArgNode {
-        let config = dir.join("node.toml");
-        assert!(config.exists(), "no {} to restart on", config.display());
-        let mut child = Command::new(VSAN_NODE)
-            .arg("--config")
-            .arg(&config)
-            .args(args)
-            .current_dir(dir.path())
-            .env("RUST_LOG", "info")
-            .env("NO_COLOR", "1")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot start {VSAN_NODE}: {e}"));
-        let out = child.stdout.take().expect("stdout is piped");
-        let mut err = child.stderr.take().expect("stderr is piped");
-        let process = ProcessGuard::new(child, Some(Sig::TERM));
-        let stderr = Arc::new(Mutex::new(Vec::new()));
-        let sink = Arc::clone(&stderr);
-        let (done, stderr_done) = mpsc::channel::<()>();
-        thread::spawn(move || {
-            let _done = done;
-            let mut buf = [0u8; 8192];
-            while let Ok(n @ 1..) = err.read(&mut buf) {
-                sink.lock().unwrap().extend_from_slice(&buf[..n]);
-            }
-        });
-        let stdout = Arc::new(Mutex::new(Vec::new()));
-        let lines = Arc::clone(&stdout);
-        let (tx, rx) = mpsc::channel();
-        thread::spawn(move || {
-            for line in BufReader::new(out).lines() {
-                let Ok(line) = line else { break };
-                lines.lock().unwrap().push(line.clone());
-                let _ = tx.send(line);
-            }
-        });
-        let mut node = ArgNode {
-            process,
-            stdout,
-            stderr,
-            stderr_done,
-            nbd: String::new(),
-            replication: String::new(),
-        };
-        let deadline = Instant::now() + READY_TIMEOUT;
-        while node.nbd.is_empty() || node.replication.is_empty() {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let line = rx.recv_timeout(left).unwrap_or_else(|e| {
-                panic!(
-                    "vsan-node {args:?} printed no ready lines ({e})\n--- stdout ---\n{}\n--- log ---\n{}",
-                    node.stdout_lines().join("\n"),
-                    node.log()
-                )
-            });
-            let Some(rest) = line.strip_prefix("ready ") else {
-                continue;
-            };
-            if let Some(addr) = rest.strip_prefix("replication=") {
-                node.replication = addr.trim().to_string();
-            } else if rest.contains(&format!("disk={DISK} "))
-                && let Some(addr) = common::field(rest, "nbd")
-            {
-                node.nbd = addr;
-            }
-        }
-        node
-    }
-
-    fn uri(&self) -> String {
-        format!("nbd://{}", self.nbd)
-    }
-
-    fn log(&self) -> String {
-        strip_ansi(&String::from_utf8_lossy(&self.stderr.lock().unwrap()))
-    }
-
-    fn stdout_lines(&self) -> Vec<String> {
-        self.stdout.lock().unwrap().clone()
-    }
-
-    /// Wait until a stdout line contains every one of `needles`; returns it.
-    fn wait_stdout(&self, needles: &[&str], limit: Duration) -> String {
-        let deadline = Instant::now() + limit;
-        loop {
-            let lines = self.stdout_lines();
-            if let Some(l) = lines.iter().find(|l| needles.iter().all(|n| l.contains(n))) {
-                return l.clone();
-            }
-            assert!(
-                Instant::now() < deadline,
-                "no stdout line with {needles:?} within {limit:?}\n--- stdout ---\n{}\n--- log ---\n{}",
-                lines.join("\n"),
-                self.log()
-            );
-            thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    /// Wait until the log contains `needle`.
-    fn wait_log(&self, needle: &str, limit: Duration) {
-        let deadline = Instant::now() + limit;
-        while !self.log().contains(needle) {
-            assert!(
-                Instant::now() < deadline,
-                "no `{needle}` in the log within {limit:?}:\n{}",
-                self.log()
-            );
-            thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    /// SIGTERM it and require a clean exit; returns its log.
-    fn stop_clean(mut self) -> String {
-        self.process.signal(Sig::TERM);
-        let status = self.process.wait(STOP_TIMEOUT);
-        // The rest of the log, once the pipe is read to its end.
-        let _ = self.stderr_done.recv_timeout(Duration::from_secs(5));
-        let log = self.log();
-        match status {
-            Some(s) => assert!(s.success(), "exit {s}\n--- log ---\n{log}"),
-            None => panic!("vsan-node did not exit within {STOP_TIMEOUT:?} of SIGTERM\n{log}"),
-        }
-        log
-    }
-}
-
-/// A running `vsan-witness` on `127.0.0.1:0`, ended when dropped.
-struct Witness {
-    _process: ProcessGuard,
-    addr: String,
-}
-
-impl Witness {
-    fn start(dir: &TestDir) -> Witness {
-        let log = dir.join("witness.log");
-        let log_file = OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log)
-            .expect("open witness.log");
-        let mut child = Command::new(VSAN_WITNESS)
-            .args(["--listen", "127.0.0.1:0"])
-            .current_dir(dir.path())
-            .env("RUST_LOG", "info")
-            .env("NO_COLOR", "1")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(log_file)
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot start {VSAN_WITNESS}: {e}"));
-        let stdout = child.stdout.take().expect("stdout is piped");
-        let process = ProcessGuard::new(child, Some(Sig::TERM));
-        let (tx, rx) = mpsc::channel();
-        thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        let line = rx.recv_timeout(READY_TIMEOUT).unwrap_or_else(|e| {
-            panic!(
-                "vsan-witness printed no ready line ({e})\n--- log ---\n{}",
-                std::fs::read_to_string(&log).unwrap_or_default()
-            )
-        });
-        let addr = line
-            .strip_prefix("ready witness=")
-            .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-            .to_string();
-        Witness {
-            _process: process,
-            addr,
-        }
-    }
-}
-
 // ----- I/O and checks -----
-
-/// `qemu-io` required to exit 0 without a failed pattern or any error.
-fn qemu_io(uri: &str, cmds: &[String]) -> ToolOutput {
-    let out = common::qemu_io(uri, cmds);
-    let lower = out.text().to_lowercase();
-    assert!(
-        !lower.contains("pattern verification failed")
-            && !lower.contains("error")
-            && !lower.contains("failed"),
-        "qemu-io reported a problem:\n{out}"
-    );
-    out.assert_success();
-    out
-}
-
-fn qemu_io_writes(uri: &str, regions: &[Region]) {
-    let out = qemu_io(uri, &regions.iter().map(Region::write).collect::<Vec<_>>());
-    for r in regions {
-        assert!(
-            out.stdout.contains(&r.wrote_line()),
-            "missing {r:?}:\n{out}"
-        );
-    }
-}
-
-fn qemu_io_reads(uri: &str, regions: &[Region]) {
-    let out = qemu_io(uri, &regions.iter().map(Region::read).collect::<Vec<_>>());
-    for r in regions {
-        assert!(out.stdout.contains(&r.read_line()), "missing {r:?}:\n{out}");
-    }
-}
 
 /// `regions` with their bytes replaced by `byte` (zero: never written on the winner).
 fn as_byte(regions: &[Region], byte: u8) -> Vec<Region> {
@@ -414,44 +109,20 @@ fn as_byte(regions: &[Region], byte: u8) -> Vec<Region> {
         .collect()
 }
 
-fn image(dir: &TestDir, disk: &str) -> PathBuf {
-    dir.data_dir().join(format!("{disk}.img"))
-}
-
-/// Both replicas byte-identical: compared here, and by `cmp` where it is installed.
-fn assert_replicas_identical(a: &Path, b: &Path) {
-    let da = std::fs::read(a).unwrap_or_else(|e| panic!("read {}: {e}", a.display()));
-    let db = std::fs::read(b).unwrap_or_else(|e| panic!("read {}: {e}", b.display()));
-    assert_same_bytes(&db, &da, "node 2's replica against node 1's");
-    if find_tool("cmp") {
-        run_tool("cmp", &[a, b], TOOL_TIMEOUT).assert_success();
-    }
-}
-
-/// The stopped replica's image holds `regions`.
-fn assert_image_holds(img: &Path, regions: &[Region], who: &str) {
-    for r in regions {
-        let got = read_file_range(img, r.offset, r.len as usize);
-        assert_same_bytes(
-            &got,
-            &vec![r.byte; r.len as usize],
-            &format!("{who}'s replica at {r:?}"),
+/// No `split brain` anywhere in either node's stdout or log (node 1's checked first).
+fn assert_no_split_brain(pair: &Pair) {
+    for (node, who) in [(&pair.n1, "node 1"), (&pair.n2, "node 2")] {
+        let out = node.stdout_lines().join("\n");
+        assert!(
+            !out.contains(SPLIT_BRAIN),
+            "{who} reported a split brain:\n{out}"
+        );
+        let log = node.log();
+        assert!(
+            !log.contains(SPLIT_BRAIN),
+            "{who} logged a split brain:\n{log}"
         );
     }
-}
-
-/// No `split brain` anywhere in a node's stdout or log.
-fn assert_no_split_brain(node: &Node, who: &str) {
-    let out = node.stdout_lines().join("\n");
-    assert!(
-        !out.contains(SPLIT_BRAIN),
-        "{who} reported a split brain:\n{out}"
-    );
-    let log = node.log();
-    assert!(
-        !log.contains(SPLIT_BRAIN),
-        "{who} logged a split brain:\n{log}"
-    );
 }
 
 // ----- the scenarios' common steps -----
@@ -512,17 +183,29 @@ fn split(pair: &Pair, x1: &[Region], y2: &[Region]) -> Mark {
     mark
 }
 
+/// Wait for a stdout line with all of `needles1` on node 1 and one with all of
+/// `needles2` on node 2, each after `mark`; prints and returns both.
+fn wait_both_after(
+    pair: &Pair,
+    mark: Mark,
+    needles1: &[&str],
+    needles2: &[&str],
+) -> (String, String) {
+    let l1 = pair
+        .n1
+        .wait_stdout_after(mark.out1, needles1, EVENT_TIMEOUT);
+    let l2 = pair
+        .n2
+        .wait_stdout_after(mark.out2, needles2, EVENT_TIMEOUT);
+    eprintln!("node 1: {l1}\nnode 2: {l2}");
+    (l1, l2)
+}
+
 /// Both nodes report the healed link refused as a split brain and keep refusing it: node
 /// 1 dials again and again (node 2 attaches each link) and neither mirrors or syncs.
 /// Returns both `problem` lines.
 fn assert_split_brain_refused(pair: &Pair, mark: Mark) -> (String, String) {
-    let p1 = pair
-        .n1
-        .wait_stdout_after(mark.out1, &[PROBLEM, SPLIT_BRAIN], EVENT_TIMEOUT);
-    let p2 = pair
-        .n2
-        .wait_stdout_after(mark.out2, &[PROBLEM, SPLIT_BRAIN], EVENT_TIMEOUT);
-    eprintln!("node 1: {p1}\nnode 2: {p2}");
+    let (p1, p2) = wait_both_after(pair, mark, &[PROBLEM, SPLIT_BRAIN], &[PROBLEM, SPLIT_BRAIN]);
     // At least two links since the heal, every one refused.
     pair.n2
         .wait_log_count(ATTACHED, mark.attached2 + 2, EVENT_TIMEOUT);
@@ -554,13 +237,7 @@ fn wait_resync(pair: &Pair, mark: Mark, node1_source: bool) -> (String, String) 
     } else {
         ("role=target", "role=source")
     };
-    let d1 = pair
-        .n1
-        .wait_stdout_after(mark.out1, &[SYNC_DONE, r1], EVENT_TIMEOUT);
-    let d2 = pair
-        .n2
-        .wait_stdout_after(mark.out2, &[SYNC_DONE, r2], EVENT_TIMEOUT);
-    eprintln!("node 1: {d1}\nnode 2: {d2}");
+    let (d1, d2) = wait_both_after(pair, mark, &[SYNC_DONE, r1], &[SYNC_DONE, r2]);
     // Mirroring again, on both.
     pair.n1.wait_log_count(CONNECTED, 2, EVENT_TIMEOUT);
     pair.n2.wait_log_count(CONNECTED, 2, EVENT_TIMEOUT);
@@ -584,7 +261,7 @@ fn split_brain_is_refused_until_the_operator_discards_one_side() {
     }
     // Node 2 is restarted later and must come back where the proxy points.
     let listen2 = free_loopback_addr();
-    let pair = start_pair("sb-refuse", &Side::new(1), &Side::new(2), &listen2);
+    let pair = start_pair("sb-refuse", &side(1), &side(2), &listen2);
     let ab = mirrored_writes(&pair);
     let x = Region::new(0x3c, 4 * MIB, 256 * KIB);
     let y = Region::new(0x4d, 6 * MIB, 256 * KIB);
@@ -604,8 +281,8 @@ fn split_brain_is_refused_until_the_operator_discards_one_side() {
     } = pair;
     n2.stop_clean(Sig::TERM);
     let skip1 = n1.stdout_lines().len();
-    let n2 = ArgNode::start(&dir2, &["--discard-my-data", DISK]);
-    assert_eq!(n2.replication, listen2, "node 2 came back elsewhere");
+    let n2 = start_acceptor_with_args(&dir2, &side(2), &listen2, &["--discard-my-data", DISK]);
+    assert_eq!(n2.replication(), listen2, "node 2 came back elsewhere");
     n2.wait_log("discard this node's data", EVENT_TIMEOUT);
     let done1 = n1.wait_stdout_after(skip1, &[SYNC_DONE, "role=source"], EVENT_TIMEOUT);
     let done2 = n2.wait_stdout(&[SYNC_DONE, "role=target"], EVENT_TIMEOUT);
@@ -623,15 +300,14 @@ fn split_brain_is_refused_until_the_operator_discards_one_side() {
     let mut expect = ab.to_vec();
     expect.push(x);
     expect.push(Region::new(0, y.offset, y.len));
-    qemu_io_reads(&n2.uri(), &expect);
+    qemu_io_reads(&n2.uri(DISK), &expect);
     qemu_io_reads(&n1.uri(DISK), &expect);
 
-    n1.stop_clean(Sig::TERM);
-    n2.stop_clean();
+    stop_both_clean(n1, n2);
     drop(link);
     let (img1, img2) = (image(&dir1, DISK), image(&dir2, DISK));
     assert_replicas_identical(&img1, &img2);
-    assert_image_holds(&img2, &expect, "node 2");
+    assert_file_holds(&img2, &expect, "node 2's replica");
 }
 
 /// Cut, node 1 writes `x1`, node 2 writes `y2`, heal, with `policy` on both nodes.
@@ -644,8 +320,8 @@ fn split_with_policy(
 ) -> (Pair, [Region; 2], Mark) {
     let pair = start_pair(
         tag,
-        &Side::new(1).split_brain(policy),
-        &Side::new(2).split_brain(policy),
+        &side(1).split_brain(policy),
+        &side(2).split_brain(policy),
         "127.0.0.1:0",
     );
     let ab = mirrored_writes(&pair);
@@ -661,11 +337,29 @@ fn check_resolved(pair: Pair, expect: &[Region]) {
     let Pair {
         dir1, dir2, n1, n2, ..
     } = pair;
-    n1.stop_clean(Sig::TERM);
-    n2.stop_clean(Sig::TERM);
+    stop_both_clean(n1, n2);
     let (img1, img2) = (image(&dir1, DISK), image(&dir2, DISK));
     assert_replicas_identical(&img1, &img2);
-    assert_image_holds(&img1, expect, "node 1");
+    assert_file_holds(&img1, expect, "node 1's replica");
+}
+
+/// Node 1 changes four chunks, node 2 one, apart, with `policy` on both; after the heal
+/// the policy resolves it on its own: node 1 is the resync source when `node1_source`,
+/// else node 2, and the target's changes are gone on both.
+fn resolved_by_policy(tag: &str, policy: &'static str, node1_source: bool) {
+    let x = chunk_writes(0x3c, 4 * MIB, 4);
+    let y = chunk_writes(0x4d, 10 * MIB, 1);
+    let (pair, ab, mark) = split_with_policy(tag, policy, &x, &y);
+    wait_resync(&pair, mark, node1_source);
+    let mut expect = ab.to_vec();
+    if node1_source {
+        expect.extend(&x);
+        expect.extend(as_byte(&y, 0));
+    } else {
+        expect.extend(as_byte(&x, 0));
+        expect.extend(&y);
+    }
+    check_resolved(pair, &expect);
 }
 
 #[test]
@@ -673,15 +367,8 @@ fn discard_least_changes_makes_the_node_with_fewer_changes_the_target() {
     if !require_tool("qemu-io") {
         return;
     }
-    // Node 1 changes four chunks, node 2 one.
-    let x = chunk_writes(0x3c, 4 * MIB, 4);
-    let y = chunk_writes(0x4d, 10 * MIB, 1);
-    let (pair, ab, mark) = split_with_policy("sb-least", "discard-least-changes", &x, &y);
-    wait_resync(&pair, mark, true);
-    let mut expect = ab.to_vec();
-    expect.extend(&x);
-    expect.extend(as_byte(&y, 0));
-    check_resolved(pair, &expect);
+    // Node 1 changes four chunks, node 2 one: node 2 is the target.
+    resolved_by_policy("sb-least", "discard-least-changes", true);
 }
 
 #[test]
@@ -689,15 +376,8 @@ fn discard_node_discards_that_nodes_changes_even_if_it_wrote_more() {
     if !require_tool("qemu-io") {
         return;
     }
-    let x = chunk_writes(0x3c, 4 * MIB, 4);
-    let y = chunk_writes(0x4d, 10 * MIB, 1);
-    let (pair, ab, mark) = split_with_policy("sb-node", "discard-node(1)", &x, &y);
     // Node 1 is told to lose: it is the target although it changed more.
-    wait_resync(&pair, mark, false);
-    let mut expect = ab.to_vec();
-    expect.extend(as_byte(&x, 0));
-    expect.extend(&y);
-    check_resolved(pair, &expect);
+    resolved_by_policy("sb-node", "discard-node(1)", false);
 }
 
 /// When both nodes wrote while apart, "discard-zero-changes" has nobody to discard and
@@ -724,28 +404,27 @@ fn discard_zero_changes_refuses_when_both_sides_wrote() {
     let Pair {
         dir1, dir2, n1, n2, ..
     } = pair;
-    n1.stop_clean(Sig::TERM);
-    n2.stop_clean(Sig::TERM);
+    stop_both_clean(n1, n2);
     let mut mine1 = ab.to_vec();
     mine1.extend(&x);
     mine1.extend(as_byte(&y, 0));
     let mut mine2 = ab.to_vec();
     mine2.extend(&y);
     mine2.extend(as_byte(&x, 0));
-    assert_image_holds(&image(&dir1, DISK), &mine1, "node 1");
-    assert_image_holds(&image(&dir2, DISK), &mine2, "node 2");
+    assert_file_holds(&image(&dir1, DISK), &mine1, "node 1's replica");
+    assert_file_holds(&image(&dir2, DISK), &mine2, "node 2's replica");
 }
 
 /// A pair with a witness: node 1 reaches it directly, node 2 through `wproxy`.
 fn start_witnessed(tag: &str, quorum: Option<&'static str>) -> (Pair, Witness, Proxy, TestDir) {
     let wdir = TestDir::new(&format!("{tag}-w"));
-    let witness = Witness::start(&wdir);
-    let waddr: SocketAddr = witness.addr.parse().expect("the witness's address");
+    let witness = Witness::start(&wdir, None);
+    let waddr: SocketAddr = witness.addr().parse().expect("the witness's address");
     let wproxy = Proxy::start(waddr);
     let pair = start_pair(
         tag,
-        &Side::new(1).witness(&witness.addr, quorum),
-        &Side::new(2).witness(wproxy.addr(), quorum),
+        &side(1).witness(witness.addr(), quorum),
+        &side(2).witness(wproxy.addr(), quorum),
         "127.0.0.1:0",
     );
     (pair, witness, wproxy, wdir)
@@ -756,6 +435,14 @@ fn cut_with_witness(pair: &Pair, wproxy: &Proxy) {
     cut(pair, Some(wproxy));
     pair.n1.wait_log("quorum granted", EVENT_TIMEOUT);
     pair.n2.wait_log("no quorum", EVENT_TIMEOUT);
+}
+
+/// Heal the link and the witness proxy; returns where the output stood just before.
+fn heal_with_witness(pair: &Pair, wproxy: &Proxy) -> Mark {
+    let mark = Mark::of(pair);
+    pair.link.heal();
+    wproxy.heal();
+    mark
 }
 
 #[test]
@@ -780,12 +467,9 @@ fn witness_io_error_only_the_granted_node_writes_and_no_split_brain() {
     );
     eprintln!("node 2's write without quorum:\n{out}");
 
-    let mark = Mark::of(&pair);
-    pair.link.heal();
-    wproxy.heal();
+    let mark = heal_with_witness(&pair, &wproxy);
     wait_resync(&pair, mark, true);
-    assert_no_split_brain(&pair.n1, "node 1");
-    assert_no_split_brain(&pair.n2, "node 2");
+    assert_no_split_brain(&pair);
 
     let mut expect = ab.to_vec();
     expect.push(x);
@@ -818,9 +502,7 @@ fn witness_suspend_holds_the_other_nodes_write_until_the_link_heals() {
             .map_or_else(|_| "panicked".into(), |o| o.to_string())
     );
 
-    let mark = Mark::of(&pair);
-    pair.link.heal();
-    wproxy.heal();
+    let mark = heal_with_witness(&pair, &wproxy);
     let out = held.join().expect("qemu-io thread");
     let lower = out.text().to_lowercase();
     assert!(
@@ -833,8 +515,7 @@ fn witness_suspend_holds_the_other_nodes_write_until_the_link_heals() {
     wait_resync(&pair, mark, true);
     // Node 1 reads node 2's held write back through its own export.
     qemu_io_reads(&pair.n1.uri(DISK), &[y, x]);
-    assert_no_split_brain(&pair.n1, "node 1");
-    assert_no_split_brain(&pair.n2, "node 2");
+    assert_no_split_brain(&pair);
 
     let mut expect = ab.to_vec();
     expect.push(x);

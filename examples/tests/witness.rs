@@ -6,105 +6,20 @@
 
 mod common;
 
-use std::fs::OpenOptions;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener as StdListener, TcpStream as StdStream};
-use std::path::{Path, PathBuf};
-use std::process::{Command, ExitStatus, Stdio};
+use std::process::Command;
 use std::sync::mpsc;
-use std::thread;
 use std::time::{Duration, Instant};
 
 use common::proxy::Proxy;
-use common::{ProcessGuard, READY_TIMEOUT, STOP_TIMEOUT, Sig, TestDir, run_command};
+use common::witness::{VSAN_WITNESS, Witness};
+use common::{TestDir, run_command};
 use vsan_core::ErrorKind;
 use vsan_replica::witness::WitnessClient;
 
-const VSAN_WITNESS: &str = env!("CARGO_BIN_EXE_vsan-witness");
 /// How long a raw-protocol read may block before the test fails instead of hanging.
 const IO_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// A running `vsan-witness`, ended (SIGTERM, then SIGKILL) when dropped.
-struct Witness {
-    process: ProcessGuard,
-    addr: String,
-    log: PathBuf,
-}
-
-impl Witness {
-    /// Start it on `127.0.0.1:0` (with `--state state` if given) and wait for its ready
-    /// line. Its log is appended to `witness.log` in `dir`.
-    fn start(dir: &TestDir, state: Option<&Path>) -> Witness {
-        let log = dir.join("witness.log");
-        let log_file = OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log)
-            .expect("open witness.log");
-        let mut cmd = Command::new(VSAN_WITNESS);
-        cmd.args(["--listen", "127.0.0.1:0"])
-            .current_dir(dir.path())
-            .env("RUST_LOG", "info")
-            .env("NO_COLOR", "1")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(log_file);
-        if let Some(state) = state {
-            cmd.arg("--state").arg(state);
-        }
-        let mut child = cmd
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot start {VSAN_WITNESS}: {e}"));
-        let stdout = child.stdout.take().expect("stdout is piped");
-        let process = ProcessGuard::new(child, Some(Sig::TERM));
-        let (tx, rx) = mpsc::channel();
-        thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        let line = rx.recv_timeout(READY_TIMEOUT).unwrap_or_else(|e| {
-            panic!(
-                "vsan-witness printed no ready line ({e})\n--- log ---\n{}",
-                read_log(&log)
-            )
-        });
-        let addr = line
-            .strip_prefix("ready witness=")
-            .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-            .to_string();
-        Witness { process, addr, log }
-    }
-
-    /// A client speaking for node `node`.
-    fn client(&self, node: u32) -> WitnessClient {
-        WitnessClient::new(self.addr.clone(), node)
-    }
-
-    /// SIGTERM it and require a clean exit.
-    fn stop(mut self) {
-        self.process.signal(Sig::TERM);
-        let status: Option<ExitStatus> = self.process.wait(STOP_TIMEOUT);
-        let status = status.unwrap_or_else(|| {
-            panic!(
-                "vsan-witness ignored SIGTERM\n--- log ---\n{}",
-                read_log(&self.log)
-            )
-        });
-        assert!(
-            status.success(),
-            "vsan-witness exited with {status}\n--- log ---\n{}",
-            read_log(&self.log)
-        );
-    }
-}
-
-fn read_log(path: &Path) -> String {
-    std::fs::read_to_string(path).unwrap_or_default()
-}
 
 /// A runtime for the async client.
 fn runtime() -> tokio::runtime::Runtime {
@@ -232,7 +147,7 @@ impl Raw {
 fn malformed_lines_get_err_and_the_witness_keeps_serving() {
     let dir = TestDir::new("witness-garbage");
     let witness = Witness::start(&dir, None);
-    let mut raw = Raw::connect(&witness.addr);
+    let mut raw = Raw::connect(witness.addr());
 
     let long = vec![b'x'; 5000];
     let garbage: [&[u8]; 10] = [
@@ -262,7 +177,7 @@ fn malformed_lines_get_err_and_the_witness_keeps_serving() {
     assert_eq!(raw.ask(b"RELEASE 2 vol0"), "OK");
 
     // A client that hangs up mid-line does not disturb anyone else.
-    let mut rude = StdStream::connect(&witness.addr).expect("connect");
+    let mut rude = StdStream::connect(witness.addr()).expect("connect");
     rude.write_all(b"CLAIM 2 vo").expect("send half a line");
     drop(rude);
 

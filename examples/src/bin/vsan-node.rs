@@ -235,6 +235,8 @@ async fn run(config: Config, discard: Vec<String>) -> Result<(), StartError> {
                     g.block_size(),
                 );
                 cfg.peer_timeout = Duration::from_millis(node.peer_timeout_ms);
+                // Several pings per timeout, so one late ping never loses the peer.
+                cfg.ping_interval = cfg.ping_interval.min(cfg.peer_timeout / 4);
                 cfg.connect_timeout = Duration::from_millis(node.peer_timeout_ms);
                 cfg.quorum = quorum;
                 cfg.seed = rand::random();

@@ -9,7 +9,9 @@
 // Each test binary uses a different part of this module.
 #![allow(dead_code)]
 
+pub mod mirror;
 pub mod proxy;
+pub mod witness;
 
 use std::collections::HashMap;
 use std::ffi::OsStr;
@@ -113,6 +115,16 @@ impl TestDir {
         std::fs::write(&path, text).expect("write node.toml");
         path
     }
+}
+
+/// The image of `disk` in a node's data dir (see [`TestDir::data_dir`]).
+pub fn image(dir: &TestDir, disk: &str) -> PathBuf {
+    dir.data_dir().join(format!("{disk}.img"))
+}
+
+/// The metadata file of `disk` in a node's data dir.
+pub fn meta(dir: &TestDir, disk: &str) -> PathBuf {
+    dir.data_dir().join(format!("{disk}.meta"))
 }
 
 /// A TOML basic string holding `s`.
@@ -297,6 +309,21 @@ pub fn strip_ansi(s: &str) -> String {
     out
 }
 
+/// The lines of `pipe`, sent on the returned channel by a thread until the pipe ends or
+/// the receiver is dropped.
+pub fn line_channel(pipe: impl Read + Send + 'static) -> mpsc::Receiver<String> {
+    let (tx, rx) = mpsc::channel();
+    thread::spawn(move || {
+        for line in BufReader::new(pipe).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
 /// What an outside program did.
 #[derive(Debug)]
 pub struct ToolOutput {
@@ -401,20 +428,42 @@ impl Node {
     /// Write `config` into `dir`, start `vsan-node` on it and wait until it has printed a
     /// ready line for each of `disks`.
     pub fn start(dir: &TestDir, config: &str, disks: &[&str]) -> Node {
-        Node::start_inner(dir, config, disks, false)
+        Node::start_inner(dir, config, disks, false, &[])
     }
 
     /// [`Node::start`] for a config with `node.listen`: also waits for the
     /// `ready replication=<addr>` line (see [`Node::replication`]).
     pub fn start_listening(dir: &TestDir, config: &str, disks: &[&str]) -> Node {
-        Node::start_inner(dir, config, disks, true)
+        Node::start_inner(dir, config, disks, true, &[])
     }
 
-    fn start_inner(dir: &TestDir, config: &str, disks: &[&str], replication: bool) -> Node {
+    /// [`Node::start`] with `args` on the command line after `--config <path>`.
+    pub fn start_with_args(dir: &TestDir, config: &str, disks: &[&str], args: &[&str]) -> Node {
+        Node::start_inner(dir, config, disks, false, args)
+    }
+
+    /// [`Node::start_listening`] with `args` on the command line after `--config <path>`.
+    pub fn start_listening_with_args(
+        dir: &TestDir,
+        config: &str,
+        disks: &[&str],
+        args: &[&str],
+    ) -> Node {
+        Node::start_inner(dir, config, disks, true, args)
+    }
+
+    fn start_inner(
+        dir: &TestDir,
+        config: &str,
+        disks: &[&str],
+        replication: bool,
+        args: &[&str],
+    ) -> Node {
         let config = dir.write_config(config);
         let mut cmd = Command::new(VSAN_NODE);
         cmd.arg("--config")
             .arg(&config)
+            .args(args)
             .current_dir(dir.path())
             // The assertions read the info-level log; do not let the caller's env hide it.
             .env("RUST_LOG", "info")
@@ -678,6 +727,23 @@ pub fn read_file_range(path: &Path, offset: u64, len: usize) -> Vec<u8> {
     buf
 }
 
+/// The file at `path` holds every one of `regions` (`what` names it in a failure, which
+/// also names the region).
+pub fn assert_file_holds<'a>(
+    path: &Path,
+    regions: impl IntoIterator<Item = &'a Region>,
+    what: &str,
+) {
+    for r in regions {
+        let got = read_file_range(path, r.offset, r.len as usize);
+        assert_same_bytes(
+            &got,
+            &vec![r.byte; r.len as usize],
+            &format!("{what} at {r:?}"),
+        );
+    }
+}
+
 /// A pattern write or read: `len` bytes of `byte` at `offset`.
 #[derive(Debug, Clone, Copy)]
 pub struct Region {
@@ -717,12 +783,69 @@ impl Region {
 
 /// `qemu-io -f raw <uri> -c <cmd>...`, one connection for all commands.
 pub fn qemu_io(uri: &str, cmds: &[String]) -> ToolOutput {
+    qemu_io_within(uri, cmds, TOOL_TIMEOUT)
+}
+
+/// [`qemu_io`] within `limit`.
+pub fn qemu_io_within(uri: &str, cmds: &[String], limit: Duration) -> ToolOutput {
     let mut args = vec!["-f".to_string(), "raw".to_string(), uri.to_string()];
     for c in cmds {
         args.push("-c".to_string());
         args.push(c.clone());
     }
-    run_tool("qemu-io", &args, TOOL_TIMEOUT)
+    run_tool("qemu-io", &args, limit)
+}
+
+/// [`qemu_io`] required to exit 0 without a failed pattern or any error.
+pub fn qemu_io_checked(uri: &str, cmds: &[String]) -> ToolOutput {
+    qemu_io_checked_within(uri, cmds, TOOL_TIMEOUT)
+}
+
+/// [`qemu_io_checked`] within `limit`.
+pub fn qemu_io_checked_within(uri: &str, cmds: &[String], limit: Duration) -> ToolOutput {
+    let out = qemu_io_within(uri, cmds, limit);
+    let lower = out.text().to_lowercase();
+    assert!(
+        !lower.contains("pattern verification failed")
+            && !lower.contains("error")
+            && !lower.contains("failed"),
+        "qemu-io reported a problem:\n{out}"
+    );
+    out.assert_success();
+    out
+}
+
+/// Write `regions` with one checked qemu-io run; each write must be reported done.
+pub fn qemu_io_writes(uri: &str, regions: &[Region]) {
+    qemu_io_writes_within(uri, regions, TOOL_TIMEOUT);
+}
+
+/// [`qemu_io_writes`] within `limit`.
+pub fn qemu_io_writes_within(uri: &str, regions: &[Region], limit: Duration) {
+    let out = qemu_io_checked_within(
+        uri,
+        &regions.iter().map(Region::write).collect::<Vec<_>>(),
+        limit,
+    );
+    for r in regions {
+        assert!(
+            out.stdout.contains(&r.wrote_line()),
+            "missing {r:?}:\n{out}"
+        );
+    }
+}
+
+/// Read and check `regions` with one checked qemu-io run; each read must be reported done.
+pub fn qemu_io_reads(uri: &str, regions: &[Region]) {
+    let out = qemu_io_checked(uri, &regions.iter().map(Region::read).collect::<Vec<_>>());
+    for r in regions {
+        assert!(out.stdout.contains(&r.read_line()), "missing {r:?}:\n{out}");
+    }
+}
+
+/// A checked qemu-io `flush`.
+pub fn qemu_io_flush(uri: &str) {
+    qemu_io_checked(uri, &["flush".to_string()]);
 }
 
 /// The value of `key=<value>` in a report line (`sync disk=vol0 done transferred=123`).
