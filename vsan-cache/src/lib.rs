@@ -1,13 +1,16 @@
-//! # vsan-cache (not yet implemented)
+//! # vsan-cache (on-media format only)
 //!
 //! This crate will hold `WriteBackCache`: a log-structured write-back cache on a fast
 //! device (persistent memory or an NVMe file mapped with memmap2) in front of any backing
 //! [`BlockDevice`](vsan_core::BlockDevice), with group commit, ordered destage and crash
 //! recovery. See `DESIGN.md` ("vsan-cache") for the plan.
 //!
-//! **Status:** nothing here works yet. The crate exists so the workspace has its final
-//! shape; it exports no types, and nothing pretends otherwise.
+//! **Status:** only the on-media format exists: [`format`](mod@format) encodes and
+//! decodes the superblock and log records and scans a log after a crash, as pure functions
+//! over byte slices. There is no `WriteBackCache` yet and no I/O.
 #![deny(missing_docs)]
+
+pub mod format;
 
 #[cfg(test)]
 mod tests {
