@@ -62,10 +62,17 @@ enum Command {
     DiscardMyData,
     /// Finish in-flight I/O, mark the metadata clean, stop.
     Close {
-        done: oneshot::Sender<()>,
+        done: oneshot::Sender<Result<()>>,
     },
-    /// The witness answered.
-    Quorum(bool),
+}
+
+/// What the driver asks of its witness worker, in order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum WitnessRequest {
+    /// Ask for the disk until it is granted (or a newer request comes).
+    Claim,
+    /// Give the disk back.
+    Release,
 }
 
 /// A replica: its data device, its metadata device, and the metadata read from it.
@@ -234,6 +241,12 @@ impl MirroredDisk {
         let endpoint = Endpoint::new(cfg, replica.loaded, Instant::now());
         let (status_tx, status) = watch::channel(status_of(&endpoint, false, None, None));
         let progress = Arc::new(parking_lot::Mutex::new(None));
+        let (quorum_tx, quorum_rx) = mpsc::unbounded_channel();
+        let witness_tx = witness.map(|w| {
+            let (tx, rx) = mpsc::unbounded_channel();
+            handle.spawn(witness_worker(w, name.to_string(), rx, quorum_tx.clone()));
+            tx
+        });
         let driver = Driver::new(
             Arc::clone(&name),
             endpoint,
@@ -241,10 +254,10 @@ impl MirroredDisk {
             replica.meta,
             status_tx,
             Arc::clone(&progress),
-            witness,
-            commands.clone(),
+            witness_tx,
+            quorum_tx,
         );
-        handle.spawn(driver.run(rx));
+        handle.spawn(driver.run(rx, quorum_rx));
         Ok(MirroredDisk {
             name,
             geometry,
@@ -286,9 +299,10 @@ impl MirroredDisk {
     /// resync the activity log), and stop the driver.
     pub async fn close(&self) -> Result<()> {
         let (done, rx) = oneshot::channel();
-        let _ = self.commands.send(Command::Close { done });
-        let _ = rx.await;
-        Ok(())
+        if self.commands.send(Command::Close { done }).is_err() {
+            return Err(self.stopped());
+        }
+        rx.await.map_err(|_| self.stopped())?
     }
 
     fn stopped(&self) -> Error {
@@ -432,11 +446,14 @@ struct Driver {
     meta: Arc<dyn BlockDevice>,
     status: watch::Sender<MirrorStatus>,
     progress: Arc<parking_lot::Mutex<Option<SyncProgress>>>,
-    witness: Option<WitnessClient>,
-    /// For tasks that report back (the witness).
-    commands: mpsc::UnboundedSender<Command>,
-    quorum_task: Option<tokio::task::JoinHandle<()>>,
-    closing: Vec<oneshot::Sender<()>>,
+    /// Requests to the witness worker (none without a witness).
+    witness: Option<mpsc::UnboundedSender<WitnessRequest>>,
+    /// Quorum answers come back here (the worker's own sender, or none).
+    quorum_tx: mpsc::UnboundedSender<bool>,
+    closing: Vec<oneshot::Sender<Result<()>>>,
+    /// Events the endpoint raised for a link already replaced: handled without retiring
+    /// the link that replaced it.
+    stale_events: VecDeque<Event>,
     last_progress_log: Instant,
     last_sync_start: Option<SyncStart>,
     waiters: HashMap<RequestId, Reply>,
@@ -467,8 +484,8 @@ impl Driver {
         meta: Arc<dyn BlockDevice>,
         status: watch::Sender<MirrorStatus>,
         progress: Arc<parking_lot::Mutex<Option<SyncProgress>>>,
-        witness: Option<WitnessClient>,
-        commands: mpsc::UnboundedSender<Command>,
+        witness: Option<mpsc::UnboundedSender<WitnessRequest>>,
+        quorum_tx: mpsc::UnboundedSender<bool>,
     ) -> Driver {
         Driver {
             name,
@@ -478,9 +495,9 @@ impl Driver {
             status,
             progress,
             witness,
-            commands,
-            quorum_task: None,
+            quorum_tx,
             closing: Vec::new(),
+            stale_events: VecDeque::new(),
             last_progress_log: Instant::now(),
             last_sync_start: None,
             waiters: HashMap::new(),
@@ -493,7 +510,11 @@ impl Driver {
         }
     }
 
-    async fn run(mut self, mut commands: mpsc::UnboundedReceiver<Command>) {
+    async fn run(
+        mut self,
+        mut commands: mpsc::UnboundedReceiver<Command>,
+        mut quorum: mpsc::UnboundedReceiver<bool>,
+    ) {
         // Once every handle is gone, finish what is in flight, then stop.
         let mut handles_gone = false;
         loop {
@@ -513,6 +534,7 @@ impl Driver {
                         self.ep.begin_shutdown(Instant::now());
                     }
                 },
+                Some(granted) = quorum.recv() => self.ep.handle_quorum(Instant::now(), granted),
                 msg = recv(&mut self.rx) => match msg {
                     Ok(m) => self.ep.handle_message(Instant::now(), m),
                     Err(e) => {
@@ -566,11 +588,22 @@ impl Driver {
             }
         }
         self.retire_link();
-        if let Some(t) = self.quorum_task.take() {
-            t.abort();
-        }
+        // Dropping the sender stops the witness worker once it is idle.
+        self.witness = None;
+        let failed = self.ep.meta_failed();
         for done in self.closing.drain(..) {
-            let _ = done.send(());
+            let result = if failed {
+                Err(Error::new(
+                    ErrorKind::Io,
+                    format!(
+                        "disk {}: the metadata could not be written; it is not marked clean",
+                        self.name
+                    ),
+                ))
+            } else {
+                Ok(())
+            };
+            let _ = done.send(result);
         }
     }
 
@@ -598,6 +631,11 @@ impl Driver {
                 if self.tx.is_some() {
                     self.drop_link();
                     self.ep.handle_disconnected(now, "replaced by a new link");
+                    // What that raised belongs to the old link: do not let it retire
+                    // the new one.
+                    while let Some(ev) = self.ep.poll_event() {
+                        self.stale_events.push_back(ev);
+                    }
                 }
                 info!(peer = link.peer(), "link to the peer attached");
                 let (tx, rx) = link.into_split();
@@ -623,55 +661,25 @@ impl Driver {
                 self.ep.begin_shutdown(now);
                 self.closing.push(done);
             }
-            Command::Quorum(granted) => self.ep.handle_quorum(now, granted),
         }
     }
 
     /// Ask the witness for the disk until it grants it (or the peer is back).
     fn claim_quorum(&mut self) {
-        let Some(w) = self.witness.clone() else {
-            let _ = self.commands.send(Command::Quorum(false));
-            return;
-        };
-        if let Some(t) = self.quorum_task.take() {
-            t.abort();
-        }
-        let name = self.ep_name();
-        let commands = self.commands.clone();
-        self.quorum_task = Some(tokio::spawn(async move {
-            loop {
-                let granted = match w.claim(&name).await {
-                    Ok(g) => g,
-                    Err(e) => {
-                        warn!(disk = %name, "witness {} unreachable: {e}", w.addr());
-                        false
-                    }
-                };
-                if commands.send(Command::Quorum(granted)).is_err() || granted {
-                    return;
-                }
-                tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        match &self.witness {
+            Some(w) => {
+                let _ = w.send(WitnessRequest::Claim);
             }
-        }));
+            None => {
+                let _ = self.quorum_tx.send(false);
+            }
+        }
     }
 
     fn release_quorum(&mut self) {
-        if let Some(t) = self.quorum_task.take() {
-            t.abort();
+        if let Some(w) = &self.witness {
+            let _ = w.send(WitnessRequest::Release);
         }
-        let Some(w) = self.witness.clone() else {
-            return;
-        };
-        let name = self.ep_name();
-        tokio::spawn(async move {
-            if let Err(e) = w.release(&name).await {
-                warn!(disk = %name, "could not release the witness's grant: {e}");
-            }
-        });
-    }
-
-    fn ep_name(&self) -> String {
-        self.name.to_string()
     }
 
     fn drop_link(&mut self) {
@@ -752,7 +760,12 @@ impl Driver {
                     io,
                 ));
             }
+            let mut events: Vec<(Event, bool)> =
+                self.stale_events.drain(..).map(|e| (e, true)).collect();
             while let Some(ev) = self.ep.poll_event() {
+                events.push((ev, false));
+            }
+            for (ev, stale) in events {
                 moved = true;
                 match ev {
                     Event::Completed { request, result } => {
@@ -764,7 +777,9 @@ impl Driver {
                     Event::Refused { reason } | Event::PeerLost { reason } => {
                         warn!("mirror link dropped: {reason}");
                         self.last_problem = Some(reason);
-                        self.retire_link();
+                        if !stale {
+                            self.retire_link();
+                        }
                     }
                     Event::LocalDetached { reason } => self.last_problem = Some(reason),
                     Event::NeedQuorum => self.claim_quorum(),
@@ -831,6 +846,55 @@ impl Driver {
         // completed sees the state the completion came from.
         for (w, result) in completed {
             let _ = w.send(result);
+        }
+    }
+}
+
+/// Talks to the witness for one disk, one round trip at a time and in the order the
+/// driver asked, so a release can never overtake a claim (or the reverse). A claim is
+/// retried every second until granted, unless a newer request arrives.
+async fn witness_worker(
+    w: WitnessClient,
+    disk: String,
+    mut requests: mpsc::UnboundedReceiver<WitnessRequest>,
+    answers: mpsc::UnboundedSender<bool>,
+) {
+    let mut next = requests.recv().await;
+    while let Some(req) = next.take() {
+        match req {
+            WitnessRequest::Release => {
+                if let Err(e) = w.release(&disk).await {
+                    warn!(disk = %disk, "could not release the witness's grant: {e}");
+                }
+            }
+            WitnessRequest::Claim => loop {
+                let granted = match w.claim(&disk).await {
+                    Ok(g) => g,
+                    Err(e) => {
+                        warn!(disk = %disk, "witness {} unreachable: {e}", w.addr());
+                        false
+                    }
+                };
+                if answers.send(granted).is_err() {
+                    return;
+                }
+                if granted {
+                    break;
+                }
+                tokio::select! {
+                    r = requests.recv() => {
+                        next = r;
+                        if next.is_none() {
+                            return;
+                        }
+                        break;
+                    }
+                    _ = tokio::time::sleep(std::time::Duration::from_secs(1)) => {}
+                }
+            },
+        }
+        if next.is_none() {
+            next = requests.recv().await;
         }
     }
 }

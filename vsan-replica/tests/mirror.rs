@@ -1347,3 +1347,113 @@ async fn mirrored_write_is_in_the_activity_log_before_it_completes() {
         "a mirrored write marked the bitmap"
     );
 }
+
+/// After a crash, the first metadata write must not drop the activity log's extents
+/// before the bitmap that now marks them is durable: if only the first block of that
+/// write lands, a second restart still knows them.
+#[tokio::test]
+async fn crash_recovery_keeps_the_logs_extents_until_the_bitmap_holds_them() {
+    use vsan_replica::protocol::{Endpoint, LocalIo, WritePayload};
+    const SIZE: u64 = 64 * MIB;
+    let cfg = config(1, SIZE, DISK_ID, PEER_TIMEOUT);
+    let params = meta_params(&cfg, DEFAULT_CHUNK_SIZE);
+    let layout = meta::Layout::checked(SIZE, DEFAULT_CHUNK_SIZE, BS).unwrap();
+    let dev = MemDevice::new(Geometry::new(layout.total_len(), 512).unwrap());
+    let mut loaded = meta::create(&dev, &params).await.unwrap();
+    // As a crashed node leaves it: the log holds extents 3 and 5, not clean.
+    meta::write_al(&dev, &layout, 2, &[3, 5]).await.unwrap();
+    loaded.superblock.seq = 2;
+    loaded.superblock.clean_shutdown = false;
+    meta::write_superblock(&dev, &layout, &loaded.superblock)
+        .await
+        .unwrap();
+    let first = meta::open(&dev, &params).await.unwrap();
+    assert_eq!(first.al, vec![3, 5]);
+    let now = std::time::Instant::now();
+    let mut ep = Endpoint::new(cfg.clone(), first, now);
+    let marked = ep.dirty_chunks();
+    assert_eq!(marked, 2 * 64, "two 4 MiB extents of 64 KiB chunks");
+    let _ = ep.submit_write(
+        now,
+        0,
+        WritePayload::Data(Bytes::from(vec![1u8; 4096])),
+        false,
+    );
+    let mut batch = None;
+    while let Some(io) = ep.poll_local_io() {
+        if let LocalIo::Meta { writes, .. } = io {
+            batch = Some(writes);
+            break;
+        }
+    }
+    let writes = batch.expect("a metadata batch");
+    // Killed after each prefix of the batch: a restart still marks both extents.
+    for landed in 0..=writes.len() {
+        let copy = MemDevice::new(Geometry::new(layout.total_len(), 512).unwrap());
+        let all = dev.read(0, layout.total_len() as usize).await.unwrap();
+        copy.write(0, all, IoFlags::empty()).await.unwrap();
+        for (off, b) in writes.iter().take(landed) {
+            copy.write(*off, b.clone(), IoFlags::empty()).await.unwrap();
+        }
+        let again = meta::open(&copy, &params).await.unwrap();
+        let ep2 = Endpoint::new(cfg.clone(), again, now);
+        assert!(
+            ep2.dirty_chunks() >= marked,
+            "{landed} of {} metadata writes landed: only {} chunks marked after the restart",
+            writes.len(),
+            ep2.dirty_chunks()
+        );
+    }
+}
+
+/// Dropping every handle finishes the driver: it stops (its status channel closes) and
+/// marks the metadata clean.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_driver_stops_once_every_handle_is_dropped() {
+    let (d1, meta1) = start_kept(config(1, MIB, DISK_ID, PEER_TIMEOUT), mem(MIB)).await;
+    let mut status = d1.watch_status();
+    drop(d1);
+    let stopped = timeout(Duration::from_secs(5), async {
+        while status.changed().await.is_ok() {}
+    })
+    .await;
+    assert!(
+        stopped.is_ok(),
+        "the driver still runs 5 s after its last handle went"
+    );
+    let params = meta_params(&config(1, MIB, DISK_ID, PEER_TIMEOUT), DEFAULT_CHUNK_SIZE);
+    let loaded = meta::open(meta1.as_ref(), &params).await.unwrap();
+    assert!(loaded.superblock.clean_shutdown, "not marked clean");
+}
+
+/// A new link attached while one is connected replaces it: the pair connects on the new
+/// link (the old link's loss must not retire the new one).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_link_attached_while_connected_replaces_it() {
+    let d1 = start(config(1, MIB, DISK_ID, CALM_TIMEOUT), mem(MIB)).await;
+    let d2 = start(config(2, MIB, DISK_ID, CALM_TIMEOUT), mem(MIB)).await;
+    let t = TcpTransport::new();
+    let listener = t.listen("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr();
+    for round in 0..2 {
+        let (a, b) = tokio::join!(t.connect(&addr), listener.accept());
+        d1.attach(a.unwrap(), None);
+        d2.attach(b.unwrap(), None);
+        for (who, d) in [("node 1", &d1), ("node 2", &d2)] {
+            wait_for(d, &format!("{who} connected, link {round}"), |s| {
+                s.link == LinkState::Connected && s.link_attached
+            })
+            .await;
+        }
+    }
+    sleep(Duration::from_millis(300)).await;
+    for d in [&d1, &d2] {
+        let s = d.status();
+        assert!(
+            s.link == LinkState::Connected && s.link_attached,
+            "the replacing link did not stay: {s:?}"
+        );
+    }
+    write(&d1, 0, Bytes::from(vec![9; 4096]), IoFlags::empty()).await;
+    assert_eq!(read(&d2, 0, 4096).await, Bytes::from(vec![9; 4096]));
+}

@@ -495,12 +495,25 @@ impl Signals {
     }
 }
 
-/// One line on stdout; a closed stdout (nobody reads the reports) is not an error.
+/// One line on stdout, written by a thread of its own: a reader that stops reading
+/// (a full pipe) must never block the node's runtime. Lines that find the queue full
+/// are dropped; a closed stdout is not an error.
 fn say(line: &str) {
-    use std::io::Write;
-    let mut out = std::io::stdout().lock();
-    let _ = writeln!(out, "{line}");
-    let _ = out.flush();
+    static OUT: std::sync::OnceLock<std::sync::mpsc::SyncSender<String>> =
+        std::sync::OnceLock::new();
+    let tx = OUT.get_or_init(|| {
+        let (tx, rx) = std::sync::mpsc::sync_channel::<String>(1024);
+        std::thread::spawn(move || {
+            use std::io::Write;
+            for line in rx {
+                let mut out = std::io::stdout().lock();
+                let _ = writeln!(out, "{line}");
+                let _ = out.flush();
+            }
+        });
+        tx
+    });
+    let _ = tx.try_send(line.to_string());
 }
 
 fn kind_word(k: SyncKind) -> &'static str {

@@ -381,9 +381,11 @@ impl BlockDevice for FileDevice {
         let mut buf = BytesMut::zeroed(len);
         if !self.inner.block_device {
             let end = offset + len as u64;
+            // A file cut short behind our back is not a hole: `read` reports it.
+            let whole = self.inner.file.metadata().is_ok_and(|m| m.len() >= end);
             match rustix::fs::seek(&self.inner.file, rustix::fs::SeekFrom::Data(offset)) {
-                Ok(data) if data >= end => return ready(Ok(buf.freeze())),
-                Err(rustix::io::Errno::NXIO) => return ready(Ok(buf.freeze())),
+                Ok(data) if whole && data >= end => return ready(Ok(buf.freeze())),
+                Err(rustix::io::Errno::NXIO) if whole => return ready(Ok(buf.freeze())),
                 _ => {}
             }
         }

@@ -177,6 +177,19 @@ pub async fn open(dev: &dyn BlockDevice, p: &MetaParams) -> Result<Loaded> {
         );
     }
     let (al_seq, al) = newest(p, "activity log", copies)?;
+    // Sequence numbers only grow by one per write: one this large is damage, and the next
+    // write would wrap it and lose to the stale copy.
+    for (what_seq, seq) in [("superblock", superblock.seq), ("activity log", al_seq)] {
+        if seq > u64::MAX / 2 {
+            return Err(Error::new(
+                ErrorKind::Corrupt,
+                format!(
+                    "{}: {what_seq} sequence number {seq} is implausible",
+                    what(p)
+                ),
+            ));
+        }
+    }
 
     let piece = max_piece(dev);
     let (mut at, end) = (layout.bitmap_offset(), layout.total_len());

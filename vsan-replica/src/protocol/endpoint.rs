@@ -542,15 +542,33 @@ impl Endpoint {
         } else {
             0
         };
+        // The extents of the log on disk stay in the log (idle, already durable): they
+        // leave it only by eviction, after a replica flush, and by then the bitmap that
+        // now marks them is durable too. (Writing an emptied log first could lose them:
+        // a crash after that write and before the bitmap's would forget them.)
+        let al = al
+            .iter()
+            .take(AL_SLOTS)
+            .map(|e| {
+                (
+                    *e,
+                    AlSlot {
+                        mgen: 0,
+                        users: 0,
+                        tick: 0,
+                    },
+                )
+            })
+            .collect();
         let meta = Meta {
             layout,
             sb: superblock,
             al_seq,
-            al: HashMap::new(),
+            al,
             tick: 0,
             bitmap,
             dirty_sb: true,
-            dirty_al: true,
+            dirty_al: false,
             dirty_blocks: (0..blocks).collect(),
             cleared_blocks: BTreeSet::new(),
             flush_data: false,
@@ -902,9 +920,45 @@ impl Endpoint {
     /// Clean shutdown: once every request is done, flush the replica, empty the
     /// activity log and mark the metadata clean. [`is_shut_down`](Self::is_shut_down)
     /// turns true when that is durable.
+    ///
+    /// The link to the peer is dropped first (the peer goes on alone and marks what it
+    /// writes), new links are refused, and new writes fail with [`ErrorKind::Closed`]:
+    /// nothing may reach the replica once the metadata says it is clean.
     pub fn begin_shutdown(&mut self, now: Instant) {
+        if self.shutting_down {
+            return;
+        }
         self.shutting_down = true;
+        info!(disk = %self.cfg.disk_name, "shutting down: dropping the link to the peer");
+        match self.state {
+            LinkState::Connected => self.lose_peer(now, "this node is shutting down".into()),
+            LinkState::Waiting | LinkState::Handshaking => {
+                if self.handshaking {
+                    self.events.push_back(Event::Refused {
+                        reason: "this node is shutting down".into(),
+                    });
+                    self.end_handshake(now);
+                }
+                self.state = LinkState::Degraded;
+                let waiting: Vec<RequestId> = self.unsent.drain(..).collect();
+                self.settle_waiting_writes(waiting);
+            }
+            LinkState::Degraded => {
+                if self.handshaking {
+                    self.events.push_back(Event::Refused {
+                        reason: "this node is shutting down".into(),
+                    });
+                    self.end_handshake(now);
+                }
+                self.settle_held(now);
+            }
+        }
         self.try_shutdown(now);
+    }
+
+    /// Whether writing the metadata failed (the local replica is detached).
+    pub fn meta_failed(&self) -> bool {
+        self.meta.failed
     }
 
     /// The clean-shutdown state is durable (or the metadata failed).
@@ -953,6 +1007,13 @@ impl Endpoint {
 
     /// A link to the peer is up: start the handshake.
     pub fn handle_connected(&mut self, now: Instant) {
+        if self.shutting_down {
+            self.link_epoch += 1;
+            self.transmit.clear();
+            return self.events.push_back(Event::Refused {
+                reason: "this node is shutting down".into(),
+            });
+        }
         if self.state == LinkState::Connected {
             self.lose_peer(now, "the link was replaced".into());
         }
@@ -1406,6 +1467,13 @@ impl Endpoint {
         if self.meta.sb.inconsistent {
             return Alone::Fail(ErrorKind::Io);
         }
+        if self.shutting_down {
+            // Nothing is held through a shutdown: it would never end.
+            return match (self.cfg.quorum, self.quorum) {
+                (None, _) | (Some(_), Quorum::Granted) => Alone::Allowed,
+                _ => Alone::Fail(ErrorKind::Closed),
+            };
+        }
         match (self.cfg.quorum, self.quorum) {
             (None, _) | (Some(_), Quorum::Granted) => Alone::Allowed,
             (Some(_), Quorum::Pending) | (Some(QuorumPolicy::Suspend), _) => Alone::Hold,
@@ -1464,6 +1532,13 @@ impl Endpoint {
     ) -> RequestId {
         let req = self.request_id();
         self.last_app_io = now;
+        if self.shutting_down {
+            self.events.push_back(Event::Completed {
+                request: req,
+                result: Err(ErrorKind::Closed),
+            });
+            return req;
+        }
         if self.state == LinkState::Degraded
             && let Alone::Fail(kind) = self.alone()
         {

@@ -1102,3 +1102,45 @@ fn without_quorum_reads_fail_or_wait_like_writes() {
     p.run();
     assert!(matches!(p.n[1].result_of(r), Some(Ok(Some(_)))));
 }
+
+#[test]
+fn a_shutting_down_node_drops_the_link_and_takes_no_more_writes() {
+    let mut p = Pair::connected();
+    let now = p.now;
+    p.n[0].ep.begin_shutdown(now);
+    p.pump();
+    assert_eq!(p.n[0].ep.state(), LinkState::Degraded);
+    assert!(
+        p.n[0]
+            .events
+            .iter()
+            .any(|e| matches!(e, Event::PeerLost { .. })),
+        "the link is not dropped"
+    );
+    p.run();
+    assert!(p.n[0].ep.is_shut_down());
+    // Its own new writes fail; a write the peer sent on the old link is not applied.
+    let w = p.write(0, 0, fill(1, 512), false);
+    assert_eq!(p.n[0].result_of(w), Some(&Err(ErrorKind::Closed)));
+    let _ = p.n[1].ep.submit_write(
+        now,
+        8192,
+        WritePayload::Data(Bytes::from(fill(7, 4096))),
+        false,
+    );
+    p.pump();
+    p.run();
+    assert!(
+        p.n[0].disk[8192..8192 + 4096].iter().all(|&b| b == 0),
+        "a write reached a replica whose metadata says clean"
+    );
+    // A new link is refused.
+    p.n[0].ep.handle_connected(now);
+    p.pump();
+    assert!(
+        p.n[0]
+            .events
+            .iter()
+            .any(|e| matches!(e, Event::Refused { reason } if reason.contains("shutting down")))
+    );
+}

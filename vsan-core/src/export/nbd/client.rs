@@ -290,7 +290,14 @@ async fn read_replies(mut rd: ReadHalf<Box<dyn Stream>>, shared: Arc<Shared>) {
     let err = loop {
         let mut head = [0u8; SIMPLE_REPLY_LEN];
         if let Err(e) = rd.read_exact(&mut head).await {
-            break Error::io("read NBD reply", e);
+            // The server closing between replies is a closed connection, not an I/O
+            // error, whichever of EOF or a reset the socket reports.
+            break match e.kind() {
+                std::io::ErrorKind::UnexpectedEof => {
+                    Error::new(ErrorKind::Closed, "the NBD server closed the connection")
+                }
+                _ => Error::io("read NBD reply", e),
+            };
         }
         let magic = u32::from_be_bytes([head[0], head[1], head[2], head[3]]);
         let errno = u32::from_be_bytes([head[4], head[5], head[6], head[7]]);
