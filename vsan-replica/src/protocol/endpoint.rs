@@ -736,7 +736,11 @@ impl Endpoint {
             ));
         }
         for b in std::mem::take(&mut self.meta.dirty_blocks) {
-            self.meta.cleared_blocks.remove(&b);
+            // A block with bits a resync cleared in memory: the data those bits stood
+            // for must be durable before the cleared bits are.
+            if self.meta.cleared_blocks.remove(&b) {
+                self.meta.flush_data = true;
+            }
             writes.push((
                 layout.bitmap_offset() + (b * crate::meta::META_BLOCK) as u64,
                 self.meta.bitmap.block_bytes(b),
