@@ -247,16 +247,27 @@ impl MirroredDisk {
             handle.spawn(witness_worker(w, name.to_string(), rx, quorum_tx.clone()));
             tx
         });
-        let driver = Driver::new(
-            Arc::clone(&name),
-            endpoint,
+        let driver = Driver {
+            name: Arc::clone(&name),
+            ep: endpoint,
             local,
-            replica.meta,
-            status_tx,
-            Arc::clone(&progress),
-            witness_tx,
+            meta: replica.meta,
+            status: status_tx,
+            progress: Arc::clone(&progress),
+            witness: witness_tx,
             quorum_tx,
-        );
+            closing: Vec::new(),
+            stale_events: VecDeque::new(),
+            last_progress_log: Instant::now(),
+            last_sync_start: None,
+            waiters: HashMap::new(),
+            tx: None,
+            rx: None,
+            sending: None,
+            backlog: VecDeque::new(),
+            running: FuturesUnordered::new(),
+            last_problem: None,
+        };
         handle.spawn(driver.run(rx, quorum_rx));
         Ok(MirroredDisk {
             name,
@@ -476,40 +487,6 @@ fn send_future(tx: &Arc<dyn LinkTx>, msgs: Vec<Message>) -> SendFuture {
 }
 
 impl Driver {
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        name: Arc<str>,
-        ep: Endpoint,
-        local: Arc<dyn BlockDevice>,
-        meta: Arc<dyn BlockDevice>,
-        status: watch::Sender<MirrorStatus>,
-        progress: Arc<parking_lot::Mutex<Option<SyncProgress>>>,
-        witness: Option<mpsc::UnboundedSender<WitnessRequest>>,
-        quorum_tx: mpsc::UnboundedSender<bool>,
-    ) -> Driver {
-        Driver {
-            name,
-            ep,
-            local,
-            meta,
-            status,
-            progress,
-            witness,
-            quorum_tx,
-            closing: Vec::new(),
-            stale_events: VecDeque::new(),
-            last_progress_log: Instant::now(),
-            last_sync_start: None,
-            waiters: HashMap::new(),
-            tx: None,
-            rx: None,
-            sending: None,
-            backlog: VecDeque::new(),
-            running: FuturesUnordered::new(),
-            last_problem: None,
-        }
-    }
-
     async fn run(
         mut self,
         mut commands: mpsc::UnboundedReceiver<Command>,
