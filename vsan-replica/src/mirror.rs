@@ -239,7 +239,7 @@ impl MirroredDisk {
         let name: Arc<str> = cfg.disk_name.as_str().into();
         let (commands, rx) = mpsc::unbounded_channel();
         let endpoint = Endpoint::new(cfg, replica.loaded, Instant::now());
-        let (status_tx, status) = watch::channel(status_of(&endpoint, false, None, None));
+        let (status_tx, status) = watch::channel(status_of(&endpoint, false, false, None, None));
         let progress = Arc::new(parking_lot::Mutex::new(None));
         let (quorum_tx, quorum_rx) = mpsc::unbounded_channel();
         let witness_tx = witness.map(|w| {
@@ -429,6 +429,7 @@ type LocalFuture =
 
 fn status_of(
     ep: &Endpoint,
+    syncing: bool,
     link_attached: bool,
     last_problem: Option<String>,
     last_sync_start: Option<SyncStart>,
@@ -442,7 +443,7 @@ fn status_of(
         dirty_chunks: ep.dirty_chunks(),
         generations: ep.generations(),
         inconsistent: ep.is_inconsistent(),
-        syncing: ep.sync_progress(Instant::now()).is_some(),
+        syncing,
         last_sync_start,
         last_sync: ep.last_sync(),
         quorum: ep.has_quorum(),
@@ -717,6 +718,45 @@ impl Driver {
         });
     }
 
+    /// Act on one endpoint event; `stale` events belong to a link already replaced and
+    /// must not retire the current one. Completions are collected into `completed`.
+    fn on_event(&mut self, ev: Event, stale: bool, completed: &mut Vec<(Reply, LocalResult)>) {
+        match ev {
+            Event::Completed { request, result } => {
+                if let Some(w) = self.waiters.remove(&request) {
+                    completed.push((w, result));
+                }
+            }
+            Event::Connected => self.last_problem = None,
+            Event::Refused { reason } | Event::PeerLost { reason } => {
+                warn!("mirror link dropped: {reason}");
+                self.last_problem = Some(reason);
+                if !stale {
+                    self.retire_link();
+                }
+            }
+            Event::LocalDetached { reason } => self.last_problem = Some(reason),
+            Event::NeedQuorum => self.claim_quorum(),
+            Event::ReleaseQuorum => self.release_quorum(),
+            Event::SyncStarted {
+                role,
+                kind,
+                total_bytes,
+            } => {
+                info!(disk = %self.name, "{kind} started as {role:?}: {total_bytes} bytes to go through");
+                self.last_sync_start = Some(SyncStart {
+                    number: self.last_sync_start.map_or(1, |s| s.number + 1),
+                    role,
+                    kind,
+                    total_bytes,
+                });
+            }
+            Event::SyncEnded(summary) => {
+                info!(disk = %self.name, "{} ended: {summary:?}", summary.kind);
+            }
+        }
+    }
+
     /// Carry out everything the endpoint has queued.
     async fn drain(&mut self) {
         let mut completed = Vec::new();
@@ -737,47 +777,13 @@ impl Driver {
                     io,
                 ));
             }
-            let mut events: Vec<(Event, bool)> =
-                self.stale_events.drain(..).map(|e| (e, true)).collect();
-            while let Some(ev) = self.ep.poll_event() {
-                events.push((ev, false));
-            }
-            for (ev, stale) in events {
+            while let Some(ev) = self.stale_events.pop_front() {
                 moved = true;
-                match ev {
-                    Event::Completed { request, result } => {
-                        if let Some(w) = self.waiters.remove(&request) {
-                            completed.push((w, result));
-                        }
-                    }
-                    Event::Connected => self.last_problem = None,
-                    Event::Refused { reason } | Event::PeerLost { reason } => {
-                        warn!("mirror link dropped: {reason}");
-                        self.last_problem = Some(reason);
-                        if !stale {
-                            self.retire_link();
-                        }
-                    }
-                    Event::LocalDetached { reason } => self.last_problem = Some(reason),
-                    Event::NeedQuorum => self.claim_quorum(),
-                    Event::ReleaseQuorum => self.release_quorum(),
-                    Event::SyncStarted {
-                        role,
-                        kind,
-                        total_bytes,
-                    } => {
-                        info!(disk = %self.name, "{kind} started as {role:?}: {total_bytes} bytes to go through");
-                        self.last_sync_start = Some(SyncStart {
-                            number: self.last_sync_start.map_or(1, |s| s.number + 1),
-                            role,
-                            kind,
-                            total_bytes,
-                        });
-                    }
-                    Event::SyncEnded(summary) => {
-                        info!(disk = %self.name, "{} ended: {summary:?}", summary.kind);
-                    }
-                }
+                self.on_event(ev, true, &mut completed);
+            }
+            while let Some(ev) = self.ep.poll_event() {
+                moved = true;
+                self.on_event(ev, false, &mut completed);
             }
             if !moved {
                 break;
@@ -807,6 +813,7 @@ impl Driver {
         }
         let now = status_of(
             &self.ep,
+            progress.is_some(),
             self.tx.is_some(),
             self.last_problem.clone(),
             self.last_sync_start,

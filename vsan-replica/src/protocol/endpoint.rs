@@ -1698,7 +1698,12 @@ impl Endpoint {
 
     /// Start apply entry `i` if nothing earlier overlaps it and its metadata is durable.
     fn try_start_apply(&mut self, i: usize) {
-        if self.apply[i].started || self.overlaps_apply(&self.apply[i].ranges.clone(), i) {
+        let (before, rest) = self.apply.split_at(i);
+        if rest[0].started
+            || before
+                .iter()
+                .any(|a| any_overlap(&a.ranges, &rest[0].ranges))
+        {
             return;
         }
         if self.apply[i].extents.is_none() {
