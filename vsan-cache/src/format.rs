@@ -54,10 +54,10 @@
 //! | offset | size | field                                                          |
 //! |--------|------|----------------------------------------------------------------|
 //! | 0      | 4    | magic `0x5643524c` (bytes `4c 52 43 56`)                       |
-//! | 4      | 4    | flags: bit 0 WRAP, bit 1 FLUSH mark; others 0                  |
+//! | 4      | 4    | flags: bit 0 WRAP, bit 1 FLUSH mark, bit 2 ZERO, bit 3 DISCARD; at most one set |
 //! | 8      | 8    | seq                                                            |
 //! | 16     | 8    | lba, in cache blocks of 4096 bytes                             |
-//! | 24     | 4    | nblocks: data is `nblocks * 4096` bytes (0 for WRAP and FLUSH) |
+//! | 24     | 4    | nblocks: data is `nblocks * 4096` bytes; 0 for WRAP and FLUSH; for ZERO and DISCARD the range's length (no data follows) |
 //! | 28     | 4    | crc32 of the data                                              |
 //! | 32     | 28   | zero                                                           |
 //! | 60     | 4    | crc32 of bytes 0..60                                           |
@@ -86,8 +86,8 @@ mod superblock;
 
 pub use error::FormatError;
 pub use record::{
-    FLAG_FLUSH, FLAG_WRAP, HEADER_LEN, Placement, RECORD_MAGIC, RecordHeader, decode_header,
-    encode_header, place, record_len,
+    FLAG_DISCARD, FLAG_FLUSH, FLAG_WRAP, FLAG_ZERO, HEADER_LEN, Placement, RECORD_MAGIC,
+    RecordHeader, decode_header, encode_header, place, record_len,
 };
 pub use scan::{ScanEnd, StopReason, scan};
 pub use superblock::{

@@ -1,24 +1,36 @@
-//! # vsan-cache (on-media format only)
+//! # vsan-cache: a persistent write-back cache
 //!
-//! This crate will hold `WriteBackCache`: a log-structured write-back cache on a fast
-//! device (persistent memory or an NVMe file mapped with memmap2) in front of any backing
-//! [`BlockDevice`](vsan_core::BlockDevice), with group commit, ordered destage and crash
-//! recovery. See `DESIGN.md` ("vsan-cache") for the plan.
+//! [`WriteBackCache`] is a log-structured write-back cache on a fast persistent device
+//! ([`FastDevice`]: a memory-mapped file on persistent memory / DAX or an NVMe SSD, or any
+//! [`BlockDevice`](vsan_core::BlockDevice)) in front of any backing `BlockDevice`, and is
+//! itself a `BlockDevice`, so it slots in as a mirror's local replica or behind an NBD
+//! export.
 //!
-//! **Status:** only the on-media format exists: [`format`](mod@format) encodes and
-//! decodes the superblock and log records and scans a log after a crash, as pure functions
-//! over byte slices. There is no `WriteBackCache` yet and no I/O.
+//! - **Writes** are appended to the log, persisted and indexed before they are
+//!   acknowledged; concurrent writers share one persist (group commit).
+//! - **Reads** merge cache hits from the log with misses from the backing store; the
+//!   index is sharded, with no lock over all of it.
+//! - **Destage** runs in epochs in log order (coalesce, write, flush the backing store,
+//!   then move the tail), paced between watermarks by a PI controller; large sequential
+//!   writes bypass the cache (sequential cutoff).
+//! - **Modes** write-back, write-through, write-around and pass-through switch at run
+//!   time; detach drains and passes through.
+//! - **Recovery** after a crash scans from the tail and stops at the first torn record;
+//!   after a clean close nothing is scanned.
+//! - **Cache device failure** switches to pass-through and reports the lost data
+//!   ([`CacheState`], `data_loss_count`), so a mirror above resyncs the replica.
+//!
+//! The on-media layout is documented in [`format`](mod@format), which encodes and decodes
+//! it as pure functions.
 #![deny(missing_docs)]
 
+mod cache;
+mod config;
 pub mod format;
+mod index;
+mod media;
 
-#[cfg(test)]
-mod tests {
-    /// The cache sits in front of any `BlockDevice`; this checks the dependency is wired.
-    #[test]
-    fn core_trait_is_reachable() {
-        fn takes_device(_: &dyn vsan_core::BlockDevice) {}
-        let g = vsan_core::Geometry::new(4096, 512).unwrap();
-        takes_device(&vsan_core::MemDevice::new(g));
-    }
-}
+pub use cache::WriteBackCache;
+pub use config::{CacheConfig, CacheState, CacheStats, DataLoss, Recovery};
+pub use format::CacheMode;
+pub use media::FastDevice;

@@ -12,7 +12,13 @@ pub const RECORD_MAGIC: u32 = 0x5643_524c;
 pub const FLAG_WRAP: u32 = 1 << 0;
 /// Record flag bit 1: a FLUSH mark; no data, it only takes a sequence number.
 pub const FLAG_FLUSH: u32 = 1 << 1;
-const KNOWN_FLAGS: u32 = FLAG_WRAP | FLAG_FLUSH;
+/// Record flag bit 2: a ZERO record; blocks `lba .. lba + nblocks` read as zeroes, and
+/// the record carries no data.
+pub const FLAG_ZERO: u32 = 1 << 2;
+/// Record flag bit 3: a DISCARD record; like [`FLAG_ZERO`] in the cache, destaged as a
+/// discard of the backing range.
+pub const FLAG_DISCARD: u32 = 1 << 3;
+const KNOWN_FLAGS: u32 = FLAG_WRAP | FLAG_FLUSH | FLAG_ZERO | FLAG_DISCARD;
 
 // Field offsets; the module docs hold the same table.
 const AT_FLAGS: usize = 4;
@@ -70,6 +76,31 @@ impl RecordHeader {
         RecordHeader::marker(FLAG_FLUSH, seq)
     }
 
+    /// A ZERO record (`discard == false`) or DISCARD record for `nblocks` blocks at
+    /// `lba`; it carries no data. `nblocks` must be non-zero and the range must not
+    /// overflow.
+    pub fn range(
+        seq: u64,
+        lba: u64,
+        nblocks: u32,
+        discard: bool,
+    ) -> Result<RecordHeader, FormatError> {
+        if nblocks == 0 {
+            return Err(FormatError::EmptyRecord);
+        }
+        if lba.checked_add(u64::from(nblocks)).is_none() {
+            return Err(FormatError::RangeOverflow { lba, nblocks });
+        }
+        let flags = if discard { FLAG_DISCARD } else { FLAG_ZERO };
+        Ok(RecordHeader {
+            flags,
+            seq,
+            lba,
+            nblocks,
+            data_crc: crc32fast::hash(&[]),
+        })
+    }
+
     fn marker(flags: u32, seq: u64) -> RecordHeader {
         RecordHeader {
             flags,
@@ -90,9 +121,37 @@ impl RecordHeader {
         self.flags & FLAG_FLUSH != 0
     }
 
-    /// Bytes of data after the header.
+    /// This is a ZERO or DISCARD record: a block range without data.
+    pub fn is_range(&self) -> bool {
+        self.flags & (FLAG_ZERO | FLAG_DISCARD) != 0
+    }
+
+    /// This is a DISCARD record.
+    pub fn is_discard(&self) -> bool {
+        self.flags & FLAG_DISCARD != 0
+    }
+
+    /// This record carries data: not a WRAP, FLUSH, ZERO or DISCARD record.
+    pub fn has_data(&self) -> bool {
+        self.flags == 0
+    }
+
+    /// Bytes of data after the header (0 for every record but a data record).
     pub fn data_len(&self) -> u64 {
-        u64::from(self.nblocks) * u64::from(CACHE_BLOCK)
+        if self.has_data() {
+            u64::from(self.nblocks) * u64::from(CACHE_BLOCK)
+        } else {
+            0
+        }
+    }
+
+    /// Bytes this record takes in the log: the header plus its data rounded up to 64.
+    pub fn stored_len(&self) -> u64 {
+        if self.has_data() {
+            record_len(self.nblocks)
+        } else {
+            HEADER_LEN as u64
+        }
     }
 }
 
@@ -137,7 +196,7 @@ pub fn decode_header(b: &[u8]) -> Result<RecordHeader, FormatError> {
         return Err(FormatError::HeaderCrc { stored, computed });
     }
     let flags = le_u32(b, AT_FLAGS);
-    if flags & !KNOWN_FLAGS != 0 || flags == FLAG_WRAP | FLAG_FLUSH {
+    if flags & !KNOWN_FLAGS != 0 || flags.count_ones() > 1 {
         return Err(FormatError::BadRecordFlags(flags));
     }
     if b[AT_RESERVED..AT_HEADER_CRC].iter().any(|&x| x != 0) {
@@ -150,14 +209,15 @@ pub fn decode_header(b: &[u8]) -> Result<RecordHeader, FormatError> {
         nblocks: le_u32(b, AT_NBLOCKS),
         data_crc: le_u32(b, AT_DATA_CRC),
     };
-    if flags != 0 && h.nblocks != 0 {
+    let marker = h.is_wrap() || h.is_flush_mark();
+    if marker && h.nblocks != 0 {
         let kind = if h.is_wrap() { "WRAP" } else { "FLUSH mark" };
         return Err(FormatError::MarkerWithData {
             kind,
             nblocks: h.nblocks,
         });
     }
-    if flags == 0 && h.nblocks == 0 {
+    if !marker && h.nblocks == 0 {
         return Err(FormatError::EmptyRecord);
     }
     if h.lba.checked_add(u64::from(h.nblocks)).is_none() {
@@ -320,8 +380,24 @@ mod tests {
 
     #[test]
     fn refuses_bad_flags_and_fields() {
-        let b = with(data_header(), |b| put(b, AT_FLAGS, &4u32.to_le_bytes()));
-        assert_eq!(decode_header(&b), Err(FormatError::BadRecordFlags(4)));
+        let b = with(data_header(), |b| put(b, AT_FLAGS, &16u32.to_le_bytes()));
+        assert_eq!(decode_header(&b), Err(FormatError::BadRecordFlags(16)));
+        let b = with(data_header(), |b| put(b, AT_FLAGS, &12u32.to_le_bytes()));
+        assert_eq!(decode_header(&b), Err(FormatError::BadRecordFlags(12)));
+        // A ZERO record names a range and carries no data; it needs blocks.
+        let z = RecordHeader::range(5, 10, 7, false).unwrap();
+        assert_eq!(decode_header(&encode_header(&z)), Ok(z));
+        assert!(z.is_range() && !z.is_discard() && !z.has_data());
+        assert_eq!((z.data_len(), z.stored_len()), (0, HEADER_LEN as u64));
+        let d = RecordHeader::range(5, 10, 7, true).unwrap();
+        assert!(d.is_discard() && d.is_range());
+        assert_eq!(
+            RecordHeader::range(1, 0, 0, false),
+            Err(FormatError::EmptyRecord)
+        );
+        assert!(RecordHeader::range(1, u64::MAX, 2, true).is_err());
+        let b = with(z, |b| put(b, AT_NBLOCKS, &0u32.to_le_bytes()));
+        assert_eq!(decode_header(&b), Err(FormatError::EmptyRecord));
         let b = with(data_header(), |b| put(b, AT_FLAGS, &3u32.to_le_bytes()));
         assert_eq!(decode_header(&b), Err(FormatError::BadRecordFlags(3)));
         let e = decode_header(&encode_header(&RecordHeader {

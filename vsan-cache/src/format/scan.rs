@@ -1,8 +1,6 @@
 //! Recovery scan: walk the log from the tail and find where the persisted records end.
 
-use super::{
-    FormatError, HEADER_LEN, RECORD_ALIGN, RecordHeader, check_log_len, decode_header, record_len,
-};
+use super::{FormatError, HEADER_LEN, RECORD_ALIGN, RecordHeader, check_log_len, decode_header};
 
 /// Where a [`scan`] ended and why.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -118,7 +116,7 @@ pub fn scan(
         let (len, next) = if h.is_wrap() {
             (HEADER_LEN as u64, (pos - off).saturating_add(log_len))
         } else {
-            let len = record_len(h.nblocks);
+            let len = h.stored_len();
             if off + len > log_len {
                 return end(pos, seq, StopReason::Straddles { len });
             }
@@ -151,7 +149,7 @@ pub fn scan(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::format::{CACHE_BLOCK, MIN_LOG_LEN, encode_header, place};
+    use crate::format::{CACHE_BLOCK, MIN_LOG_LEN, encode_header, place, record_len};
 
     const LOG: u64 = MIN_LOG_LEN; // 16 blocks
 
