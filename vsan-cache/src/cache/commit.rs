@@ -72,7 +72,7 @@ impl Inner {
     /// Data larger than the largest record is split into several records, queued
     /// together.
     pub(crate) async fn append(
-        &self,
+        self: &Arc<Self>,
         lba: u64,
         n: u64,
         payload: Payload,
@@ -123,9 +123,43 @@ impl Inner {
         result
     }
 
-    async fn run_commits(&self) {
+    /// Commit the queued batch (which holds this writer's record). If more writers
+    /// queued meanwhile, hand the committing over to a task of its own, so no writer
+    /// stays behind to commit for others while its own write is done.
+    async fn run_commits(self: &Arc<Self>) {
         let mut guard = Committer {
             inner: self,
+            armed: true,
+        };
+        let mut first = true;
+        loop {
+            let batch = {
+                let mut q = self.commit.lock();
+                if q.pending.is_empty() {
+                    q.committing = false;
+                    guard.armed = false;
+                    return;
+                }
+                if !first {
+                    if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                        // Still committing: the task takes over the flag.
+                        guard.armed = false;
+                        let inner = self.clone();
+                        rt.spawn(async move { inner.run_commits_on().await });
+                        return;
+                    }
+                }
+                std::mem::take(&mut q.pending)
+            };
+            first = false;
+            self.commit_batch(batch).await;
+        }
+    }
+
+    /// The committing task: commits until the queue is empty.
+    async fn run_commits_on(self: Arc<Self>) {
+        let mut guard = Committer {
+            inner: &self,
             armed: true,
         };
         loop {

@@ -189,7 +189,7 @@ impl Inner {
 
     /// Destage until no record covering any of blocks `lba .. lba + n` is left.
     pub(crate) async fn drain_overlapping(&self, lba: u64, n: u64) -> Result<()> {
-        let newest = if n > 4096 {
+        let newest = if n > 1 << 16 {
             // A huge range: looking up every block costs more than draining.
             self.log.lock().records.back().map(|r| r.pos)
         } else {

@@ -825,7 +825,13 @@ impl Inner {
         false
     }
 
-    async fn write(&self, offset: u64, payload: Payload, len: u64, flags: IoFlags) -> Result<()> {
+    async fn write(
+        self: &Arc<Self>,
+        offset: u64,
+        payload: Payload,
+        len: u64,
+        flags: IoFlags,
+    ) -> Result<()> {
         self.check_open()?;
         let op = match payload {
             Payload::Data(_) => Op::Write,
