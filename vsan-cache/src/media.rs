@@ -29,8 +29,21 @@ pub struct FastDevice {
 }
 
 enum Kind {
-    Mapped { map: MmapRaw, _file: File },
+    Mapped {
+        map: MmapRaw,
+        file: Arc<File>,
+        /// `msync` is a memory operation here (tmpfs): persist on the caller's thread.
+        /// Otherwise persisting is real I/O and goes to the blocking pool, so the
+        /// caller's task (an NBD connection with other requests) is not stalled.
+        inline_persist: bool,
+    },
     Block(Arc<dyn BlockDevice>),
+}
+
+/// Whether the file lives on tmpfs (`/dev/shm`), where `msync` costs no I/O.
+fn on_tmpfs(file: &File) -> bool {
+    const TMPFS_MAGIC: u64 = 0x0102_1994;
+    rustix::fs::fstatfs(file).is_ok_and(|s| s.f_type as u64 == TMPFS_MAGIC)
 }
 
 impl std::fmt::Debug for FastDevice {
@@ -59,8 +72,20 @@ impl FastDevice {
             .truncate(false)
             .open(path)
             .map_err(|e| Error::io(ctx(), e))?;
-        let mut len = file.metadata().map_err(|e| Error::io(ctx(), e))?.len();
-        if let Some(want) = create_len {
+        let meta = file.metadata().map_err(|e| Error::io(ctx(), e))?;
+        let mut len = meta.len();
+        let device = {
+            use std::os::unix::fs::FileTypeExt;
+            meta.file_type().is_block_device() || meta.file_type().is_char_device()
+        };
+        if device {
+            // A device node (/dev/pmem0, /dev/dax0.0, an NVMe namespace): its size is
+            // where a seek to the end lands.
+            use std::io::Seek;
+            len = (&file)
+                .seek(std::io::SeekFrom::End(0))
+                .map_err(|e| Error::io(ctx(), e))?;
+        } else if let Some(want) = create_len {
             if len < want {
                 file.set_len(want).map_err(|e| Error::io(ctx(), e))?;
                 len = want;
@@ -72,9 +97,17 @@ impl FastDevice {
                 format!("{}: empty file", ctx()),
             ));
         }
-        let map = MmapRaw::map_raw(&file).map_err(|e| Error::io(ctx(), e))?;
+        let map = memmap2::MmapOptions::new()
+            .len(len as usize)
+            .map_raw(&file)
+            .map_err(|e| Error::io(ctx(), e))?;
+        let inline_persist = on_tmpfs(&file);
         Ok(FastDevice {
-            kind: Kind::Mapped { map, _file: file },
+            kind: Kind::Mapped {
+                map,
+                file: Arc::new(file),
+                inline_persist,
+            },
             len,
         })
     }
@@ -155,9 +188,23 @@ impl FastDevice {
     /// caller's thread), a device flush otherwise.
     pub(crate) async fn persist(&self, off: u64, len: u64) -> Result<()> {
         match &self.kind {
-            Kind::Mapped { map, .. } => {
+            Kind::Mapped {
+                map,
+                file,
+                inline_persist,
+            } => {
                 self.check(off, len as usize)?;
-                map.flush_range(off as usize, len as usize)
+                if *inline_persist {
+                    return map
+                        .flush_range(off as usize, len as usize)
+                        .map_err(|e| Error::io("persisting the cache device", e));
+                }
+                // fdatasync writes back the mapping's dirty pages of the file: the same
+                // effect as msync, on a thread that may block.
+                let file = Arc::clone(file);
+                tokio::task::spawn_blocking(move || file.sync_data())
+                    .await
+                    .map_err(|e| Error::new(ErrorKind::Io, format!("persist task failed: {e}")))?
                     .map_err(|e| Error::io("persisting the cache device", e))
             }
             Kind::Block(dev) => dev.flush().await,

@@ -98,7 +98,7 @@ async fn reopen_after_crash_replays_and_after_close_scans_nothing() {
     }
     drop(c);
     fast.power_cut(PowerCut::DropUnflushed).await.unwrap();
-    let mut c = WriteBackCache::open(FastDevice::block(fast.clone()), backing.clone(), quiet())
+    let c = WriteBackCache::open(FastDevice::block(fast.clone()), backing.clone(), quiet())
         .await
         .unwrap();
     assert!(!c.recovery().clean);

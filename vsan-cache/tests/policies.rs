@@ -234,7 +234,7 @@ async fn mode_switches_keep_the_data_right_and_route_writes() {
     )
     .await
     .unwrap();
-    let mut c = WriteBackCache::open(
+    let c = WriteBackCache::open(
         FastDevice::block(fast.clone()),
         backing.clone(),
         cfg.clone(),

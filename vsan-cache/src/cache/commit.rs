@@ -26,6 +26,13 @@ pub(crate) struct Queue {
     committing: bool,
 }
 
+impl Queue {
+    /// Appends are queued or being committed.
+    pub(crate) fn busy(&self) -> bool {
+        self.committing || !self.pending.is_empty()
+    }
+}
+
 fn copy_err(e: &Error) -> Error {
     Error::new(e.kind(), e.context().to_string())
 }

@@ -180,7 +180,7 @@ pub(crate) struct Inner {
 /// The write that hit the error is written to the backing store instead and succeeds.
 pub struct WriteBackCache {
     inner: Arc<Inner>,
-    task: Option<tokio::task::JoinHandle<()>>,
+    task: Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
 
 impl std::fmt::Debug for WriteBackCache {
@@ -290,15 +290,7 @@ impl WriteBackCache {
     ) -> Result<WriteBackCache> {
         cfg.check()
             .map_err(|e| Error::new(ErrorKind::InvalidArgument, format!("cache settings: {e}")))?;
-        if fast.len() < LOG_START {
-            return Err(corrupt(format!(
-                "cache device of {} bytes is too small to hold superblocks",
-                fast.len()
-            )));
-        }
-        let sbs = fast.read(0, LOG_START as usize).await?;
-        let sb = format::pick(&sbs[..SUPERBLOCK_LEN], &sbs[SUPERBLOCK_LEN..])
-            .map_err(|e| corrupt(format!("cache device holds no usable superblock: {e}")))?;
+        let sb = Self::inspect(&fast).await?;
         let g = backing.geometry();
         if sb.backing_size != g.size() || sb.backing_block_size != g.block_size() {
             return Err(Error::new(
@@ -462,7 +454,24 @@ impl WriteBackCache {
             .cfg
             .background
             .then(|| tokio::spawn(destage::background(inner.clone())));
-        Ok(WriteBackCache { inner, task })
+        Ok(WriteBackCache {
+            inner,
+            task: Mutex::new(task),
+        })
+    }
+
+    /// The superblock on `fast`, if it holds a valid one: whether it is formatted, for
+    /// which backing store, in which mode. Reads only.
+    pub async fn inspect(fast: &FastDevice) -> Result<Superblock> {
+        if fast.len() < LOG_START {
+            return Err(corrupt(format!(
+                "cache device of {} bytes is too small to hold superblocks",
+                fast.len()
+            )));
+        }
+        let sbs = fast.read(0, LOG_START as usize).await?;
+        format::pick(&sbs[..SUPERBLOCK_LEN], &sbs[SUPERBLOCK_LEN..])
+            .map_err(|e| corrupt(format!("cache device holds no usable superblock: {e}")))
     }
 
     /// The mode now.
@@ -514,20 +523,28 @@ impl WriteBackCache {
     /// Stop the background destager, destage everything, flush the backing store and
     /// mark the superblock clean. Every later operation fails with `ErrorKind::Closed`.
     /// A failed cache just stops.
-    pub async fn close(&mut self) -> Result<()> {
+    pub async fn close(&self) -> Result<()> {
         self.inner.check_open()?;
+        // New operations fail from here; appends already queued are let finish, so none
+        // lands after the clean superblock (the next open would not look for it).
+        self.inner.closed.store(true, Ordering::Release);
         self.inner.shutdown.store(true, Ordering::Release);
         self.inner.wake.notify_one();
-        if let Some(t) = self.task.take() {
+        let task = self.task.lock().take();
+        if let Some(t) = task {
             let _ = t.await;
         }
-        let result = if self.inner.failed.load(Ordering::Acquire) {
+        while {
+            let q = self.inner.commit.lock();
+            q.busy()
+        } {
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+        if self.inner.failed.load(Ordering::Acquire) {
             Ok(())
         } else {
             self.inner.close().await
-        };
-        self.inner.closed.store(true, Ordering::Release);
-        result
+        }
     }
 
     /// Counters and levels.
@@ -561,7 +578,7 @@ impl Drop for WriteBackCache {
     fn drop(&mut self) {
         self.inner.shutdown.store(true, Ordering::Release);
         self.inner.wake.notify_one();
-        if let Some(t) = self.task.take() {
+        if let Some(t) = self.task.lock().take() {
             t.abort();
         }
     }
