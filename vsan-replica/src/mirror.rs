@@ -11,6 +11,12 @@
 //! The driver is the only place that awaits: it feeds the endpoint caller requests,
 //! peer messages, local I/O completions and timer expiries, and carries out what the
 //! endpoint asks (send, run local I/O, complete requests, drop the link).
+//!
+//! A local replica that loses acknowledged data (a write-back cache whose fast device
+//! failed) says so through [`BlockDevice::data_loss_count`], which it bumps before it
+//! completes anything that could show the loss. The driver looks at the count on every
+//! turn and before it hands the endpoint any local completion, and tells the endpoint
+//! first ([`Endpoint::local_data_lost`]): so no read of lost data reaches a caller.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -154,6 +160,10 @@ pub struct MirrorStatus {
     pub quorum: Option<bool>,
     /// Requests are held until quorum or the peer returns.
     pub suspended: bool,
+    /// How many times the local replica reported losing data it had acknowledged
+    /// (its [`BlockDevice::data_loss_count`] grew) since this disk started; each time it
+    /// was resynced from the peer or detached (see `last_problem`).
+    pub local_data_lost: u64,
 }
 
 /// A resync or verify that started.
@@ -239,7 +249,10 @@ impl MirroredDisk {
         let name: Arc<str> = cfg.disk_name.as_str().into();
         let (commands, rx) = mpsc::unbounded_channel();
         let endpoint = Endpoint::new(cfg, replica.loaded, Instant::now());
-        let (status_tx, status) = watch::channel(status_of(&endpoint, false, false, None, None));
+        // Losses before the mirror started are not this driver's to see: whoever
+        // opened the replica deals with them.
+        let data_loss_base = local.data_loss_count();
+        let (status_tx, status) = watch::channel(status_of(&endpoint, false, false, None, None, 0));
         let progress = Arc::new(parking_lot::Mutex::new(None));
         let (quorum_tx, quorum_rx) = mpsc::unbounded_channel();
         let witness_tx = witness.map(|w| {
@@ -267,6 +280,8 @@ impl MirroredDisk {
             backlog: VecDeque::new(),
             running: FuturesUnordered::new(),
             last_problem: None,
+            data_loss_base,
+            data_loss_seen: data_loss_base,
         };
         handle.spawn(driver.run(rx, quorum_rx));
         Ok(MirroredDisk {
@@ -433,6 +448,7 @@ fn status_of(
     link_attached: bool,
     last_problem: Option<String>,
     last_sync_start: Option<SyncStart>,
+    local_data_lost: u64,
 ) -> MirrorStatus {
     MirrorStatus {
         link: ep.state(),
@@ -448,6 +464,7 @@ fn status_of(
         last_sync: ep.last_sync(),
         quorum: ep.has_quorum(),
         suspended: ep.quorum_suspended(),
+        local_data_lost,
     }
 }
 
@@ -478,6 +495,10 @@ struct Driver {
     backlog: VecDeque<Message>,
     running: FuturesUnordered<LocalFuture>,
     last_problem: Option<String>,
+    /// The local replica's `data_loss_count` when the driver started, and when it last
+    /// looked.
+    data_loss_base: u64,
+    data_loss_seen: u64,
 }
 
 type SendFuture = std::pin::Pin<Box<dyn std::future::Future<Output = Result<()>> + Send>>;
@@ -496,6 +517,7 @@ impl Driver {
         // Once every handle is gone, finish what is in flight, then stop.
         let mut handles_gone = false;
         loop {
+            self.check_data_loss();
             self.drain().await;
             if (handles_gone || !self.closing.is_empty())
                 && self.ep.is_shut_down()
@@ -526,7 +548,7 @@ impl Driver {
                     self.sent(r);
                 }
                 Some((op, res)) = self.running.next(), if !self.running.is_empty() => {
-                    self.ep.handle_local_done(Instant::now(), op, res);
+                    self.local_done(op, res);
                 }
                 _ = sleep_until(deadline) => self.ep.handle_timeout(Instant::now()),
             }
@@ -558,9 +580,7 @@ impl Driver {
                     poll_once(&mut next).await
                 };
                 match ready {
-                    Poll::Ready(Some((op, res))) => {
-                        self.ep.handle_local_done(Instant::now(), op, res)
-                    }
+                    Poll::Ready(Some((op, res))) => self.local_done(op, res),
                     _ => break,
                 }
             }
@@ -583,6 +603,28 @@ impl Driver {
             };
             let _ = done.send(result);
         }
+    }
+
+    /// Tell the endpoint if the local replica lost data since the last look.
+    fn check_data_loss(&mut self) {
+        let count = self.local.data_loss_count();
+        if count > self.data_loss_seen {
+            info!(
+                disk = %self.name,
+                "the local replica reports lost data ({} time(s) since start)",
+                count - self.data_loss_base
+            );
+            self.data_loss_seen = count;
+            self.ep.local_data_lost(Instant::now());
+        }
+    }
+
+    /// A local operation finished. The replica bumps its loss count before it completes
+    /// anything that could show lost data, so looking first means the endpoint never
+    /// takes such a result for good.
+    fn local_done(&mut self, op: LocalOpId, res: LocalResult) {
+        self.check_data_loss();
+        self.ep.handle_local_done(Instant::now(), op, res);
     }
 
     fn command(&mut self, cmd: Command) {
@@ -736,6 +778,9 @@ impl Driver {
                 }
             }
             Event::LocalDetached { reason } => self.last_problem = Some(reason),
+            Event::LocalDataLost { action } => {
+                self.last_problem = Some(format!("local replica lost data: {action}"));
+            }
             Event::NeedQuorum => self.claim_quorum(),
             Event::ReleaseQuorum => self.release_quorum(),
             Event::SyncStarted {
@@ -817,6 +862,7 @@ impl Driver {
             self.tx.is_some(),
             self.last_problem.clone(),
             self.last_sync_start,
+            self.data_loss_seen - self.data_loss_base,
         );
         self.status.send_if_modified(|s| {
             if *s != now {

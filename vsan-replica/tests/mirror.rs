@@ -24,9 +24,9 @@ use tokio::time::{sleep, timeout};
 use vsan_core::{BlockDevice, FaultConfig, FaultyDevice, Geometry, IoFlags, MemDevice, PowerCut};
 use vsan_replica::connect::{accept_loop, dial_loop};
 use vsan_replica::meta::{self, DEFAULT_CHUNK_SIZE};
-use vsan_replica::protocol::{Config, DiskId, LinkState};
+use vsan_replica::protocol::{Config, DiskId, LinkState, ResyncRate, SyncKind, SyncRole};
 use vsan_replica::transport::{TcpTransport, Transport};
-use vsan_replica::{MirrorStatus, MirroredDisk, Replica, meta_params};
+use vsan_replica::{MirrorStatus, MirroredDisk, Replica, SyncStart, meta_params};
 
 /// Bound on any single wait that should be quick.
 const WAIT: Duration = Duration::from_secs(10);
@@ -1456,4 +1456,342 @@ async fn a_link_attached_while_connected_replaces_it() {
     }
     write(&d1, 0, Bytes::from(vec![9; 4096]), IoFlags::empty()).await;
     assert_eq!(read(&d2, 0, 4096).await, Bytes::from(vec![9; 4096]));
+}
+
+// ----- 9. a local replica that loses acknowledged data -----
+
+/// A local replica that can lose its latest writes the way a write-back cache whose
+/// fast device fails loses its dirty data: [`Lossy::lose`] puts the blocks of the last
+/// `n` writes back as they were before them and bumps `data_loss_count`, in one step
+/// with respect to every read and write. So, as the cache promises, anything that could
+/// see the old data completes after the count grew.
+struct Lossy {
+    inner: MemDevice,
+    /// `(offset, bytes before the write)` of every write, oldest first; the lock also
+    /// makes each operation atomic with `lose`.
+    journal: tokio::sync::Mutex<Vec<(u64, Bytes)>>,
+    lost: std::sync::atomic::AtomicU64,
+    /// Counts reads, to vary their latency.
+    reads: AtomicUsize,
+    /// A read at this offset waits (counted in `held`) until the next loss.
+    hold_at: std::sync::atomic::AtomicU64,
+    held: watch::Sender<usize>,
+    losses: watch::Sender<u64>,
+}
+
+impl Lossy {
+    fn new(size: u64) -> Arc<Lossy> {
+        Arc::new(Lossy {
+            inner: MemDevice::new(geometry(size)),
+            journal: tokio::sync::Mutex::new(Vec::new()),
+            lost: std::sync::atomic::AtomicU64::new(0),
+            reads: AtomicUsize::new(0),
+            hold_at: std::sync::atomic::AtomicU64::new(u64::MAX),
+            held: watch::Sender::new(0),
+            losses: watch::Sender::new(0),
+        })
+    }
+
+    /// The last `n` writes are gone. Returns how many blocks changed back.
+    async fn lose(&self, n: usize) -> usize {
+        let mut journal = self.journal.lock().await;
+        let mut changed = 0;
+        let from = journal.len().saturating_sub(n);
+        for (offset, old) in journal.drain(from..).rev() {
+            let now = self.inner.read(offset, old.len()).await.unwrap();
+            changed += now
+                .chunks(BS as usize)
+                .zip(old.chunks(BS as usize))
+                .filter(|(a, b)| a != b)
+                .count();
+            self.inner
+                .write(offset, old, IoFlags::empty())
+                .await
+                .unwrap();
+        }
+        let count = self.lost.fetch_add(1, Ordering::SeqCst) + 1;
+        drop(journal);
+        self.losses.send_replace(count);
+        changed
+    }
+
+    /// The next read at `offset` waits for the next loss; the receiver counts reads
+    /// that waited.
+    fn hold_read_until_loss(&self, offset: u64) -> watch::Receiver<usize> {
+        let held = self.held.subscribe();
+        self.hold_at.store(offset, Ordering::SeqCst);
+        held
+    }
+
+    /// Make a change, journalling what it covers first. (The change is started only
+    /// under the lock: `MemDevice` writes as soon as it is called.)
+    async fn journalled(&self, offset: u64, change: Change) -> vsan_core::Result<()> {
+        let len = match &change {
+            Change::Data(d, _) => d.len() as u64,
+            Change::Discard(len, _) | Change::Zeroes(len, _) => *len,
+        };
+        self.inner
+            .geometry()
+            .validate(vsan_core::Op::Discard, offset, len)?;
+        let mut journal = self.journal.lock().await;
+        let old = self.inner.read(offset, len as usize).await?;
+        match change {
+            Change::Data(d, flags) => self.inner.write(offset, d, flags).await?,
+            Change::Discard(len, flags) => self.inner.discard(offset, len, flags).await?,
+            Change::Zeroes(len, flags) => self.inner.write_zeroes(offset, len, flags).await?,
+        }
+        journal.push((offset, old));
+        Ok(())
+    }
+}
+
+/// A write to journal.
+enum Change {
+    Data(Bytes, IoFlags),
+    Discard(u64, IoFlags),
+    Zeroes(u64, IoFlags),
+}
+
+impl BlockDevice for Lossy {
+    fn geometry(&self) -> Geometry {
+        self.inner.geometry()
+    }
+    fn read(&self, offset: u64, len: usize) -> vsan_core::IoFuture<'_, Bytes> {
+        Box::pin(async move {
+            // Reads take up to a millisecond, so some are always in flight when the
+            // loss comes: issued before it, they read after it.
+            let n = self.reads.fetch_add(1, Ordering::Relaxed) as u64;
+            sleep(Duration::from_micros(n * 7919 % 1000)).await;
+            if self
+                .hold_at
+                .compare_exchange(offset, u64::MAX, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
+            {
+                let mut losses = self.losses.subscribe();
+                let before = *losses.borrow_and_update();
+                self.held.send_modify(|n| *n += 1);
+                let _ = losses.wait_for(|&n| n > before).await;
+            }
+            let _one_at_a_time = self.journal.lock().await;
+            self.inner.read(offset, len).await
+        })
+    }
+    fn write(&self, offset: u64, data: Bytes, flags: IoFlags) -> vsan_core::IoFuture<'_, ()> {
+        Box::pin(self.journalled(offset, Change::Data(data, flags)))
+    }
+    fn flush(&self) -> vsan_core::IoFuture<'_, ()> {
+        self.inner.flush()
+    }
+    fn discard(&self, offset: u64, len: u64, flags: IoFlags) -> vsan_core::IoFuture<'_, ()> {
+        Box::pin(self.journalled(offset, Change::Discard(len, flags)))
+    }
+    fn write_zeroes(&self, offset: u64, len: u64, flags: IoFlags) -> vsan_core::IoFuture<'_, ()> {
+        Box::pin(self.journalled(offset, Change::Zeroes(len, flags)))
+    }
+    fn data_loss_count(&self) -> u64 {
+        self.lost.load(Ordering::SeqCst)
+    }
+}
+
+/// One writer of a region of its own: writes random 4 KiB blocks through `via` (over
+/// what the region held when it started), and after every write reads a random block of the region back through each of `readers`
+/// and checks it against what was acknowledged. Returns its model and counts.
+async fn region_writer(
+    t: u64,
+    via: MirroredDisk,
+    readers: [MirroredDisk; 2],
+    base: u64,
+    region: u64,
+    stop: Arc<AtomicBool>,
+    lost: Arc<AtomicBool>,
+) -> Result<(Vec<u8>, [u64; 2]), String> {
+    let mut rng = SmallRng::seed_from_u64(0x1055 + t);
+    let mut model = via
+        .read(base, region as usize)
+        .await
+        .map_err(|e| format!("task {t}: first read: {e}"))?
+        .to_vec();
+    let mut ops = [0u64; 2];
+    while !stop.load(Ordering::SeqCst) {
+        let after = usize::from(lost.load(Ordering::SeqCst));
+        let at = rng.random_range(0..region / 4096) * 4096;
+        let data = random_bytes(&mut rng, 4096);
+        via.write(base + at, data.clone(), IoFlags::empty())
+            .await
+            .map_err(|e| format!("task {t}: write at {}: {e}", base + at))?;
+        model[at as usize..at as usize + 4096].copy_from_slice(&data);
+        ops[after] += 1;
+        for (node, disk) in readers.iter().enumerate() {
+            let at = rng.random_range(0..region / 4096) * 4096;
+            let got = disk.read(base + at, 4096).await.map_err(|e| {
+                format!("task {t}: read at {} on node {}: {e}", base + at, node + 1)
+            })?;
+            if got[..] != model[at as usize..at as usize + 4096] {
+                return Err(format!(
+                    "task {t}: read at {} on node {} returned data older than acknowledged",
+                    base + at,
+                    node + 1
+                ));
+            }
+        }
+    }
+    Ok((model, ops))
+}
+
+/// Node 1's replica loses the last 64 writes it took (both nodes' writes, all
+/// acknowledged) while both nodes write and read: node 1 resyncs it from node 2 by
+/// checksum on the same link. No request fails, no read on either node ever returns
+/// data older than what was acknowledged, and the replicas end byte-identical.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_replica_that_loses_acknowledged_writes_is_resynced_with_no_error_or_stale_read() {
+    const TASKS: u64 = 16;
+    let region = MIB / TASKS;
+    let (l1, m2) = (Lossy::new(MIB), mem(MIB));
+    let mut cfgs = [1, 2].map(|n| config(n, MIB, DISK_ID, CALM_TIMEOUT));
+    for cfg in &mut cfgs {
+        // Slow enough that reads meet chunks not synced yet.
+        cfg.resync.rate = ResyncRate::Fixed(2 * MIB);
+    }
+    let [cfg1, cfg2] = cfgs;
+    let d2 = start(cfg2, m2.clone()).await;
+    let (addr, _accept) = serve(&d2, "127.0.0.1:0").await;
+    let d1 = start(cfg1, l1.clone()).await;
+    let _dial = dial(&d1, &addr);
+    wait_for(&d1, "node 1 in sync", in_sync).await;
+    wait_for(&d2, "node 2 in sync", in_sync).await;
+
+    // First, one read in flight on node 1's replica when the loss comes: it reads the
+    // old data after the count grew, and that is the first thing the driver sees.
+    let x = 5 * 4096;
+    let new = Bytes::from(vec![0x5e; 4096]);
+    write(&d2, x, new.clone(), IoFlags::empty()).await;
+    let mut held = l1.hold_read_until_loss(x);
+    let reader = {
+        let d1 = d1.clone();
+        tokio::spawn(async move { d1.read(x, 4096).await })
+    };
+    within(
+        "the read to reach node 1's replica",
+        held.wait_for(|&n| n > 0),
+    )
+    .await
+    .unwrap();
+    assert_eq!(l1.lose(1).await, 8, "the loss took the write back");
+    let got = within("the read in flight", reader).await.unwrap();
+    assert_eq!(
+        got.unwrap(),
+        new,
+        "node 1 returned the lost block's old data"
+    );
+    let s = wait_for(&d1, "node 1 resynced after the first loss", |s| {
+        s.local_data_lost == 1 && in_sync(s)
+    })
+    .await;
+    assert!(
+        matches!(
+            s.last_sync_start,
+            Some(SyncStart {
+                role: SyncRole::Target,
+                kind: SyncKind::Checksum,
+                ..
+            })
+        ),
+        "node 1: {s:?}"
+    );
+    assert_eq!(
+        read(&*l1, x, 4096).await,
+        new,
+        "node 1's replica not repaired"
+    );
+
+    // Then both nodes write and read at full speed around a loss of 64 writes.
+    let stop = Arc::new(AtomicBool::new(false));
+    let lost = Arc::new(AtomicBool::new(false));
+    let mut set = JoinSet::new();
+    for t in 0..TASKS {
+        // Half the regions are written through node 1, half through node 2; all are
+        // read through both.
+        let via = if t % 2 == 0 { d1.clone() } else { d2.clone() };
+        set.spawn(region_writer(
+            t,
+            via,
+            [d1.clone(), d2.clone()],
+            t * region,
+            region,
+            Arc::clone(&stop),
+            Arc::clone(&lost),
+        ));
+    }
+    sleep(Duration::from_millis(300)).await;
+    let changed = l1.lose(64).await;
+    lost.store(true, Ordering::SeqCst);
+    assert!(changed > 0, "the loss took nothing back");
+    // The writers go on through the resync (and a little after); what they saw is
+    // judged first, the resync's outcome after.
+    let resynced = timeout(WAIT, async {
+        let mut rx = d1.watch_status();
+        let _ = rx.wait_for(|s| s.local_data_lost == 2 && in_sync(s)).await;
+    })
+    .await;
+    sleep(Duration::from_millis(200)).await;
+    stop.store(true, Ordering::SeqCst);
+
+    let mut models = Vec::new();
+    let mut ops = [0u64; 2];
+    let mut errors = Vec::new();
+    within("writers to finish", async {
+        while let Some(r) = set.join_next().await {
+            match r.expect("writer panicked") {
+                Ok((model, n)) => {
+                    models.push(model);
+                    ops[0] += n[0];
+                    ops[1] += n[1];
+                }
+                Err(e) => errors.push(e),
+            }
+        }
+    })
+    .await;
+    assert!(errors.is_empty(), "{errors:#?}");
+    assert!(
+        ops[0] > 64 && ops[1] > 0,
+        "writes before/after the loss: {ops:?}"
+    );
+    let s = d1.status();
+    assert!(
+        resynced.is_ok(),
+        "node 1 did not resync after the loss: {s:?}"
+    );
+    assert!(
+        matches!(
+            s.last_sync_start,
+            Some(SyncStart {
+                role: SyncRole::Target,
+                kind: SyncKind::Checksum,
+                ..
+            })
+        ),
+        "node 1: {s:?}"
+    );
+    assert!(s.last_sync.is_some_and(|r| r.completed), "node 1: {s:?}");
+    assert!(problem_contains(&s, "lost data"), "node 1: {s:?}");
+    assert!(!s.local_detached, "node 1: {s:?}");
+    // Each writer's model is its region (tasks finish in any order: match by content).
+    flush(&d1, "node 1").await;
+    flush(&d2, "node 2").await;
+    let i1 = image(&l1.inner).await;
+    assert_same("replicas after the loss", &i1, &image(&*m2).await);
+    let mut regions: Vec<&[u8]> = i1.chunks(region as usize).collect();
+    for model in &models {
+        let at = regions
+            .iter()
+            .position(|r| *r == &model[..])
+            .expect("a region lost acknowledged writes");
+        regions.swap_remove(at);
+    }
+    for (who, d) in [("node 1", &d1), ("node 2", &d2)] {
+        assert_same(&format!("reads through {who}"), &read(d, 0, MIB).await, &i1);
+        let s = d.status();
+        assert!(in_sync(&s), "{who}: {s:?}");
+    }
 }

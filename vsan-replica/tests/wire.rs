@@ -239,6 +239,7 @@ fn samples() -> Vec<Message> {
                 history: [u64::MAX - 1, u64::MAX - 2],
             },
         },
+        Message::SyncRequest,
     ]
 }
 
@@ -292,7 +293,7 @@ fn pb_bytes(field: u32, value: &[u8], out: &mut Vec<u8>) {
 fn every_sample_round_trips() {
     let samples = samples();
     let kinds: std::collections::HashSet<Kind> = samples.iter().map(Kind::of).collect();
-    assert_eq!(kinds.len(), 19, "every message kind is sampled");
+    assert_eq!(kinds.len(), 20, "every message kind is sampled");
     for msg in samples {
         let mut buf = frame_bytes(&msg);
         let len = buf.len();
@@ -769,6 +770,7 @@ fn frames_without_data_sections_refuse_data() {
         Kind::SyncCheckpoint,
         Kind::SyncCheckpointAck,
         Kind::SyncDone,
+        Kind::SyncRequest,
     ] {
         assert!(!kind.carries_data(), "{kind:?}");
         let mut buf = raw_frame(kind as u8, &[0x08, 1], b"x");
@@ -783,6 +785,20 @@ fn frames_without_data_sections_refuse_data() {
     }
     assert!(Kind::SyncBitmap.carries_data());
     assert!(Kind::SyncData.carries_data());
+}
+
+/// Kind 20 (protocol version 3): no meta fields and no data yet; fields a later
+/// version adds are skipped.
+#[test]
+fn sync_request_is_kind_20_with_an_empty_meta() {
+    let frame = wire::encode(&Message::SyncRequest).unwrap();
+    assert_eq!(frame.head()[5], 20);
+    assert_eq!(frame.head().len(), wire::HEADER_LEN, "no meta bytes");
+    assert!(frame.data().is_empty());
+    let mut later = Vec::new();
+    pb_varint(7, 1, &mut later);
+    let mut buf = raw_frame(20, &later, &[]);
+    assert_eq!(wire::decode(&mut buf), Ok(Some(Message::SyncRequest)));
 }
 
 /// Generations as protobuf, with `history` entries given one by one (unpacked).
@@ -1113,6 +1129,7 @@ fn arb_message() -> impl Strategy<Value = Message> {
         (any::<u64>(), arb_status())
             .prop_map(|(id, status)| Message::SyncCheckpointAck { id, status }),
         arb_generations().prop_map(|generations| Message::SyncDone { generations }),
+        Just(Message::SyncRequest),
     ]
 }
 

@@ -1002,4 +1002,10 @@ impl BlockDevice for WriteBackCache {
     fn write_zeroes(&self, offset: u64, len: u64, flags: IoFlags) -> IoFuture<'_, ()> {
         Box::pin(self.inner.write(offset, Payload::Zero, len, flags))
     }
+
+    /// Grows (once) when the cache device fails with data on it that the backing store
+    /// lacks; bumped before any operation completes from the backing store afterwards.
+    fn data_loss_count(&self) -> u64 {
+        self.inner.loss_count.load(Ordering::Acquire)
+    }
 }

@@ -527,6 +527,10 @@ impl<D: BlockDevice> BlockDevice for FaultyDevice<D> {
         self.inner.geometry()
     }
 
+    fn data_loss_count(&self) -> u64 {
+        self.inner.data_loss_count()
+    }
+
     fn read(&self, offset: u64, len: usize) -> IoFuture<'_, Bytes> {
         Box::pin(async move {
             self.admit(OpKind::Read, offset, len as u64).await?;
@@ -828,5 +832,39 @@ mod tests {
             .unwrap_err();
         assert_eq!(err.kind(), ErrorKind::OutOfRange);
         assert_eq!(dev.pending_writes(), 0);
+    }
+
+    /// A device that has lost data, as a write-back cache reports it.
+    struct Lossy(MemDevice);
+
+    impl BlockDevice for Lossy {
+        fn geometry(&self) -> Geometry {
+            self.0.geometry()
+        }
+        fn read(&self, offset: u64, len: usize) -> IoFuture<'_, Bytes> {
+            self.0.read(offset, len)
+        }
+        fn write(&self, offset: u64, data: Bytes, flags: IoFlags) -> IoFuture<'_, ()> {
+            self.0.write(offset, data, flags)
+        }
+        fn flush(&self) -> IoFuture<'_, ()> {
+            self.0.flush()
+        }
+        fn discard(&self, offset: u64, len: u64, flags: IoFlags) -> IoFuture<'_, ()> {
+            self.0.discard(offset, len, flags)
+        }
+        fn write_zeroes(&self, offset: u64, len: u64, flags: IoFlags) -> IoFuture<'_, ()> {
+            self.0.write_zeroes(offset, len, flags)
+        }
+        fn data_loss_count(&self) -> u64 {
+            3
+        }
+    }
+
+    #[test]
+    fn data_loss_count_is_the_inner_devices() {
+        assert_eq!(device().data_loss_count(), 0);
+        let inner = Lossy(MemDevice::new(Geometry::new(4096, 512).unwrap()));
+        assert_eq!(FaultyDevice::new(inner).data_loss_count(), 3);
     }
 }

@@ -19,7 +19,10 @@
 //!   [`ErrorKind::OutOfRange`] and change nothing;
 //! - a write that completed before `flush` was called is durable when `flush` completes;
 //!   a write with [`IoFlags::FUA`] is durable when it completes;
-//! - after `discard` or `write_zeroes` the range reads back as zeros.
+//! - after `discard` or `write_zeroes` the range reads back as zeros;
+//! - a device that loses data it had acknowledged (a write-back cache whose fast device
+//!   failed) says so through [`BlockDevice::data_loss_count`] before anything it
+//!   completes can show the loss.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -250,6 +253,20 @@ pub trait BlockDevice: Send + Sync {
     /// would. By default, `read`.
     fn read_once(&self, offset: u64, len: usize) -> IoFuture<'_, Bytes> {
         self.read(offset, len)
+    }
+
+    /// How many times this device has lost data it had already acknowledged (a
+    /// write-back cache whose fast device failed with dirty data on it, say). It only
+    /// grows. After it grows, reads may return older data for some blocks, with no
+    /// error: a layer above that holds a copy of the data elsewhere (a mirror's peer)
+    /// should resync this device from it, and must not trust reads of it until then.
+    ///
+    /// A device bumps it *before* it completes any operation that could observe the
+    /// loss, so a caller that reads it after an operation completes knows whether that
+    /// operation's result may be affected. By default 0: the device never loses
+    /// acknowledged data.
+    fn data_loss_count(&self) -> u64 {
+        0
     }
 }
 

@@ -183,6 +183,9 @@ impl BlockDevice for Held {
     fn geometry(&self) -> Geometry {
         self.inner.geometry()
     }
+    fn data_loss_count(&self) -> u64 {
+        self.inner.data_loss_count()
+    }
     fn read(&self, offset: u64, len: usize) -> IoFuture<'_, Bytes> {
         Box::pin(async move {
             self.enter(offset).await;

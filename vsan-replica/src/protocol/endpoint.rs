@@ -239,6 +239,14 @@ pub enum Event {
         /// The failure.
         reason: String,
     },
+    /// The local replica lost data it had acknowledged (see
+    /// [`Endpoint::local_data_lost`]); `action` says, in words for the operator, what
+    /// the endpoint did about it (a checksum resync from the peer, a detach, or I/O
+    /// failing until the peer is back).
+    LocalDataLost {
+        /// What happens now.
+        action: String,
+    },
     /// The peer is gone and a witness is configured: the driver must ask it for the
     /// disk's grant and report with [`Endpoint::handle_quorum`].
     NeedQuorum,
@@ -314,6 +322,9 @@ struct Apply {
     extents: Option<Vec<u64>>,
     /// Read result (resync reads and compares).
     data: Option<Bytes>,
+    /// One of its operations was issued before the local replica lost data and
+    /// completed after: what it read or wrote may be gone.
+    suspect: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -464,6 +475,9 @@ pub struct Endpoint {
     handshaking: bool,
     /// The local replica failed.
     detached: bool,
+    /// Local operations with ids below this were issued before the local replica last
+    /// lost data (`local_data_lost`): their results are not trusted.
+    loss_op_mark: u64,
     last_rx: Instant,
     last_tx: Instant,
     next_request: u64,
@@ -603,6 +617,7 @@ impl Endpoint {
             got_welcome: false,
             handshaking: false,
             detached: false,
+            loss_op_mark: 0,
             last_rx: now,
             last_tx: now,
             next_request: 1,
@@ -1092,6 +1107,8 @@ impl Endpoint {
         if self.state == LinkState::Degraded && self.alone() != Alone::Hold {
             self.settle_held(now);
         }
+        // Reads that waited for the handshake to reach the peer.
+        self.run_held_reads(now);
         self.transmit.clear();
     }
 
@@ -1126,6 +1143,8 @@ impl Endpoint {
             // A quorum answer that came during the handshake.
             self.settle_held(now);
         }
+        // Reads that waited for the handshake to reach the peer.
+        self.run_held_reads(now);
     }
 
     fn check_hello(&self, h: &Hello) -> Result<(), String> {
@@ -1187,6 +1206,11 @@ impl Endpoint {
             node_id: h.node_id,
             generations: h.generations,
             dirty_chunks: h.dirty_chunks,
+            chunks: if h.chunk_size == 0 {
+                0
+            } else {
+                h.size.div_ceil(h.chunk_size)
+            },
             crashed: h.crashed,
             inconsistent: h.inconsistent,
             discard_my_data: h.discard_my_data,
@@ -1295,7 +1319,9 @@ impl Endpoint {
                         format!("read {id} of {len} bytes at {offset} is invalid"),
                     );
                 }
-                if self.detached {
+                // A replica that is out of sync there (a sync target whose chunk has not
+                // arrived, or one that lost data) must not answer with what it has.
+                if self.detached || self.stale(offset, u64::from(len)) {
                     self.send(
                         now,
                         Message::ReadReply {
@@ -1342,7 +1368,8 @@ impl Endpoint {
             | Message::SyncCrcReply { .. }
             | Message::SyncCheckpoint { .. }
             | Message::SyncCheckpointAck { .. }
-            | Message::SyncDone { .. }) => self.sync_message(now, m),
+            | Message::SyncDone { .. }
+            | Message::SyncRequest) => self.sync_message(now, m),
         }
     }
 
@@ -1366,7 +1393,9 @@ impl Endpoint {
             return;
         };
         let moved = self.sent_hello.as_ref().is_none_or(|h| {
-            h.generations != self.meta.sb.generations || h.dirty_chunks != self.meta.bitmap.count()
+            h.generations != self.meta.sb.generations
+                || h.dirty_chunks != self.meta.bitmap.count()
+                || h.inconsistent != self.meta.sb.inconsistent
         });
         if moved {
             return self.refuse(
@@ -1614,14 +1643,12 @@ impl Endpoint {
                 Alone::Allowed | Alone::Fail(_) => {}
             }
         }
-        let stale = (self.meta.sb.inconsistent
-            || matches!(&self.sync, Some(s) if s.role == SyncRole::Target))
-            && self
-                .meta
-                .layout
-                .chunks_of(offset, u64::from(len).max(1))
-                .any(|c| self.meta.bitmap.get(c));
-        if self.detached || stale {
+        if self.detached || self.stale(offset, u64::from(len)) {
+            if self.state != LinkState::Connected && self.handshaking {
+                // Only the peer can serve it, and its link is coming up: wait for the
+                // handshake (it ends within the peer timeout) rather than fail.
+                return self.held_reads.push_back((req, offset, len));
+            }
             self.read_from_peer(now, req, offset, len);
         } else {
             let op = self.op_id(OpPurpose::OwnRead(req));
@@ -1633,6 +1660,17 @@ impl Endpoint {
                 once: false,
             });
         }
+    }
+
+    /// Whether this replica's data in `[offset, offset + len)` may be older than the
+    /// peer's: it is a sync target (or lost data) and a chunk there is not synced yet.
+    fn stale(&self, offset: u64, len: u64) -> bool {
+        (self.meta.sb.inconsistent || matches!(&self.sync, Some(s) if s.role == SyncRole::Target))
+            && self
+                .meta
+                .layout
+                .chunks_of(offset, len.max(1))
+                .any(|c| self.meta.bitmap.get(c))
     }
 
     fn run_held_reads(&mut self, now: Instant) {
@@ -1690,6 +1728,7 @@ impl Endpoint {
             gate,
             extents,
             data: None,
+            suspect: false,
         });
         let at = self.apply.len() - 1;
         self.try_start_apply(at);
@@ -1939,6 +1978,8 @@ impl Endpoint {
         if let Err(kind) = &result {
             self.local_failed(*kind);
         }
+        // Issued before the replica lost data, done after: its result may be gone.
+        let suspect = op.0 < self.loss_op_mark;
         match purpose {
             OpPurpose::Meta => {}
             OpPurpose::Apply(id) => {
@@ -1947,6 +1988,7 @@ impl Endpoint {
                 };
                 let entry = &mut self.apply[i];
                 entry.running_ops = entry.running_ops.saturating_sub(1);
+                entry.suspect |= suspect;
                 match result {
                     Err(k) => entry.failed = Some(k),
                     Ok(Some(data)) => entry.data = Some(data),
@@ -1980,7 +2022,7 @@ impl Endpoint {
                         }
                     }
                     kind if entry.epoch == self.link_epoch => {
-                        self.sync_apply_done(now, kind, outcome, entry.data)
+                        self.sync_apply_done(now, kind, outcome, entry.data, entry.suspect)
                     }
                     // Resync I/O of an earlier link: its data is written (an earlier
                     // copy from that link's source, ordered before anything newer), but
@@ -2012,10 +2054,16 @@ impl Endpoint {
                     return;
                 };
                 match result {
-                    Ok(data) => self.events.push_back(Event::Completed {
-                        request: req,
-                        result: Ok(data),
-                    }),
+                    Ok(data) if !suspect && !self.stale(offset, u64::from(len)) => {
+                        self.events.push_back(Event::Completed {
+                            request: req,
+                            result: Ok(data),
+                        })
+                    }
+                    // The replica lost data since the read was issued, or the range is
+                    // out of sync now: what it read may be older than what the caller
+                    // was acknowledged. The peer serves it; nothing is detached.
+                    Ok(_) => self.read_from_peer(now, req, offset, len),
                     // The local replica is detached now: the peer serves the read and the
                     // caller sees no error.
                     Err(_) => self.read_from_peer(now, req, offset, len),
@@ -2024,6 +2072,8 @@ impl Endpoint {
             OpPurpose::PeerRead(epoch, id) => {
                 if self.state == LinkState::Connected && epoch == self.link_epoch {
                     let (status, data) = match result {
+                        // Read before the replica lost data: it may hold older data.
+                        Ok(_) if suspect => (Status::Failed(ErrorKind::Io as u32), Bytes::new()),
                         Ok(d) => (Status::Ok, d.unwrap_or_default()),
                         Err(k) => (Status::Failed(k as u32), Bytes::new()),
                     };
@@ -2034,13 +2084,101 @@ impl Endpoint {
     }
 
     fn local_failed(&mut self, kind: ErrorKind) {
+        if !self.detached {
+            self.detach(format!(
+                "local replica failed ({kind}); serving I/O through the peer"
+            ));
+        }
+    }
+
+    fn detach(&mut self, reason: String) {
         if self.detached {
             return;
         }
         self.detached = true;
-        let reason = format!("local replica failed ({kind}); serving I/O through the peer");
         warn!(disk = %self.cfg.disk_name, "{reason}");
         self.events.push_back(Event::LocalDetached { reason });
+    }
+
+    /// The local replica lost data it had already acknowledged: its
+    /// [`data_loss_count`](vsan_core::BlockDevice::data_loss_count) grew (a write-back
+    /// cache whose fast device failed with dirty data on it). Some of its blocks may now
+    /// read older data, with no error, and nothing says which, so none of it is trusted
+    /// until a resync has compared it with the peer's:
+    ///
+    /// - connected, no resync or verify running: this replica becomes the target of a
+    ///   full checksum resync from the peer at once, on the same link
+    ///   ([`Message::SyncRequest`]); reads of chunks not synced yet go to the peer,
+    ///   writes go on mirrored, the caller sees no error;
+    /// - connected while a resync or verify runs (it cannot be restarted on this link):
+    ///   the run is aborted and the replica detached; I/O goes through the peer;
+    /// - not connected: I/O fails until the peer is back (nothing here can be trusted
+    ///   and there is no other copy); the next connection makes this replica the
+    ///   target of a full checksum resync;
+    /// - already detached: nothing changes.
+    ///
+    /// In every case but the last the replica is marked inconsistent with every chunk
+    /// out of sync, durably (a restart resyncs it too), and [`Event::LocalDataLost`]
+    /// says what happened. Local operations issued before this call that complete after
+    /// it are not trusted: such a read is served by the peer instead, and resync data
+    /// written or compared by one does not count as synced.
+    ///
+    /// The driver must call this before it hands the endpoint any local completion
+    /// that came after the loss.
+    pub fn local_data_lost(&mut self, now: Instant) {
+        if self.detached {
+            warn!(
+                disk = %self.cfg.disk_name,
+                "local replica reports lost data; it is detached already and serves nothing"
+            );
+            return;
+        }
+        self.loss_op_mark = self.next_op;
+        self.meta.sb.inconsistent = true;
+        self.meta.dirty_sb = true;
+        self.meta.bitmap.set_all();
+        self.meta
+            .dirty_blocks
+            .extend(0..self.meta.layout.bitmap_blocks());
+        self.meta_touch();
+        let peer = self.cfg.peer_id;
+        let action = match (self.state, self.sync.as_ref().map(|s| s.kind)) {
+            (LinkState::Connected, None) => {
+                self.send(now, Message::SyncRequest);
+                self.start_sync(now, SyncRole::Target, true);
+                format!(
+                    "resyncing every chunk from node {peer} by checksum; until a chunk is \
+                     synced its reads are served by node {peer}"
+                )
+            }
+            (LinkState::Connected, Some(kind)) => {
+                self.abort_sync(now, "the local replica lost data");
+                let action = format!(
+                    "a {kind} was running, which cannot restart on this link: the local \
+                     replica is detached and I/O is served by node {peer}; it stays \
+                     inconsistent and is resynced in full once it is attached again"
+                );
+                self.detach(format!("local replica lost acknowledged data; {action}"));
+                action
+            }
+            _ => {
+                if self.state == LinkState::Degraded && !self.handshaking {
+                    // Held requests can no longer be served here.
+                    self.settle_held(now);
+                }
+                format!(
+                    "node {peer} is not connected: I/O fails until it is (no copy here \
+                     can be trusted); the next connection resyncs every chunk from it by \
+                     checksum"
+                )
+            }
+        };
+        warn!(
+            disk = %self.cfg.disk_name,
+            "local replica lost data it had acknowledged (a cache device failed?); marked \
+             inconsistent with every chunk out of sync: {action}"
+        );
+        self.events.push_back(Event::LocalDataLost { action });
     }
 
     fn finish_own_write(&mut self, req: RequestId) {

@@ -5,7 +5,9 @@
 //!
 //! The rules, in order (`me` and `peer` are the two announcements):
 //! 1. A replica whose resync did not finish (`inconsistent`) is the target, bitmap
-//!    based: both bitmaps together still name every chunk left to copy. Both
+//!    based: both bitmaps together still name every chunk left to copy. When its
+//!    bitmap marks every chunk (its replica lost data, or a full sync never got going)
+//!    the resync compares checksums instead, so only chunks that differ travel. Both
 //!    inconsistent: refused, neither holds usable data.
 //! 2. Same `current`: both just created → full checksum sync from the lower node id
 //!    (or to the node told to discard its data). Otherwise in sync when neither bitmap
@@ -35,6 +37,9 @@ pub struct Side {
     pub generations: Generations,
     /// Chunks its bitmap marks.
     pub dirty_chunks: u64,
+    /// Chunks of the disk (the same on both sides once the handshake checked size and
+    /// chunk size).
+    pub chunks: u64,
     /// Restarted after a crash, activity-log extents in the bitmap.
     pub crashed: bool,
     /// An unfinished sync target.
@@ -158,7 +163,10 @@ pub fn decide(me: &Side, peer: &Side, policy: SplitBrainPolicy) -> Decision {
 fn resume(target: &Side, source: &Side) -> Decision {
     let (t, s) = (target.generations, source.generations);
     if s.current == t.current || (s.bitmap != 0 && s.bitmap == t.current) {
-        return Decision::Target { full: false };
+        // Every chunk marked: most are likely equal (a replica that lost some data), so
+        // compare them rather than copy them all.
+        let full = target.chunks > 0 && target.dirty_chunks >= target.chunks;
+        return Decision::Target { full };
     }
     if s.history.contains(&t.current) {
         return Decision::Target { full: true };
@@ -245,6 +253,7 @@ mod tests {
                 history,
             },
             dirty_chunks: dirty,
+            chunks: 16,
             crashed: false,
             inconsistent: false,
             discard_my_data: false,
@@ -327,6 +336,12 @@ mod tests {
             ),
             Decision::Refuse(_)
         ));
+        // An unfinished target with every chunk marked (its replica lost data): it
+        // resumes by checksum, from a peer that stayed or went on.
+        let mut l2 = i2;
+        l2.dirty_chunks = l2.chunks;
+        assert_eq!(both(&s1, &l2, P), Decision::Source { full: true });
+        assert_eq!(both(&a1, &l2, P), Decision::Source { full: true });
         // A replaced replica.
         assert_eq!(both(&a1, &fresh2, P), Decision::Source { full: true });
         // Went on from "just created": full sync.

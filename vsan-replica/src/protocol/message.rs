@@ -7,7 +7,11 @@
 use bytes::Bytes;
 
 /// Version of the replication protocol; both sides must speak the same one.
-pub const PROTOCOL_VERSION: u32 = 2;
+///
+/// 2: generations, bitmap and checksum resync, online verify. 3: [`Message::SyncRequest`]
+/// (a replica that lost data asks its peer for a full resync; a version-2 peer could not
+/// decode it and would drop the link where it should become the sync source).
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// Identifies one replicated disk across both nodes (set when the disk is created).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -315,4 +319,10 @@ pub enum Message {
         /// The source's generations.
         generations: Generations,
     },
+    /// The sender's replica lost data it had acknowledged (a write-back cache whose
+    /// fast device failed): the receiver becomes the source of a full checksum resync
+    /// to it, aborting any resync or verify it runs. Sent while connected and in sync,
+    /// right before the sender's `SyncBitmap`; a receiver that cannot be the source
+    /// (its own replica is detached or inconsistent) refuses the link.
+    SyncRequest,
 }

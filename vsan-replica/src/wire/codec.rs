@@ -140,7 +140,8 @@ pub fn validate(msg: &Message) -> Result<(), WireError> {
         | Message::SyncCrcReply { .. }
         | Message::SyncCheckpoint { .. }
         | Message::SyncCheckpointAck { .. }
-        | Message::SyncDone { .. } => {}
+        | Message::SyncDone { .. }
+        | Message::SyncRequest => {}
     }
     Ok(())
 }
@@ -278,6 +279,7 @@ pub fn encode(msg: &Message) -> Result<Frame, WireError> {
             },
             Bytes::new(),
         ),
+        Message::SyncRequest => build(kind, &pb::SyncRequest {}, Bytes::new()),
     }
 }
 
@@ -449,6 +451,10 @@ pub fn decode(buf: &mut BytesMut) -> Result<Option<Message>, WireError> {
         Kind::SyncDone => Message::SyncDone {
             generations: generations_of(kind, meta_of::<pb::SyncDone>(kind, meta)?.generations)?,
         },
+        Kind::SyncRequest => {
+            meta_of::<pb::SyncRequest>(kind, meta)?;
+            Message::SyncRequest
+        }
         Kind::AuthChallenge | Kind::AuthResponse => return Err(WireError::UnexpectedKind(kind)),
     };
     validate(&msg)?;

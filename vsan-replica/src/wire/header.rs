@@ -63,6 +63,8 @@ pub enum Kind {
     SyncCheckpointAck = 18,
     /// [`Message::SyncDone`].
     SyncDone = 19,
+    /// [`Message::SyncRequest`].
+    SyncRequest = 20,
     /// Transport authentication: a challenge (never reaches the protocol).
     AuthChallenge = 64,
     /// Transport authentication: the answer to a challenge (never reaches the protocol).
@@ -92,6 +94,7 @@ impl Kind {
             17 => Kind::SyncCheckpoint,
             18 => Kind::SyncCheckpointAck,
             19 => Kind::SyncDone,
+            20 => Kind::SyncRequest,
             64 => Kind::AuthChallenge,
             65 => Kind::AuthResponse,
             _ => return None,
@@ -120,6 +123,7 @@ impl Kind {
             Message::SyncCheckpoint { .. } => Kind::SyncCheckpoint,
             Message::SyncCheckpointAck { .. } => Kind::SyncCheckpointAck,
             Message::SyncDone { .. } => Kind::SyncDone,
+            Message::SyncRequest => Kind::SyncRequest,
         }
     }
 

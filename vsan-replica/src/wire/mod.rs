@@ -47,6 +47,7 @@
 //! | 17   | `SyncCheckpoint`     | `Token`                  | none            |
 //! | 18   | `SyncCheckpointAck`  | `Reply`                  | none            |
 //! | 19   | `SyncDone`           | `SyncDone`               | none            |
+//! | 20   | `SyncRequest`        | `SyncRequest`            | none            |
 //! | 64   | transport: auth challenge | `AuthChallenge`     | none            |
 //! | 65   | transport: auth response  | `AuthResponse`      | none            |
 //!

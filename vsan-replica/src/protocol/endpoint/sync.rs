@@ -20,6 +20,16 @@
 //! An interrupted resync therefore resumes from the last checkpoint, on either side.
 //! When no bit is left, the source moves its bitmap generation to history and sends
 //! its generations; the target takes them and is consistent again.
+//!
+//! ## A replica that lost data
+//! A node whose replica lost acknowledged data while connected and in sync sends
+//! `SyncRequest` and then its bitmap (every chunk) as a checksum target; the peer aborts
+//! whatever it runs (a verify) and starts a full checksum resync as the source. Replies
+//! of the aborted run still on the wire cannot be mistaken for the new run's: crc
+//! replies carry the verify flag, checkpoint ids go on counting, and a data ack can only
+//! arrive before the new run asks for that chunk's data (the target answers in its apply
+//! order). A target fails resync data only when its replica is detached, so a failed
+//! ack ends the run instead of retrying it forever.
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
@@ -135,7 +145,7 @@ pub(in crate::protocol) enum ReadMode {
 #[derive(Debug, Clone)]
 pub(in crate::protocol) struct SyncRun {
     pub(super) role: SyncRole,
-    kind: SyncKind,
+    pub(super) kind: SyncKind,
     started: Instant,
     got_peer_bitmap: bool,
     /// Target: metadata generation (inconsistent flag, merged bitmap) to be durable
@@ -439,7 +449,15 @@ impl Endpoint {
                         }
                     }
                     Status::Failed(code) => {
-                        warn!(disk = %self.cfg.disk_name, "peer failed to write resync chunk {chunk} (error {code}); retried later");
+                        // Only a detached replica fails resync data (a failed write
+                        // detaches it): no chunk would succeed on this link, and
+                        // retrying would spin.
+                        return self.abort_sync(
+                            now,
+                            &format!(
+                                "the peer could not write resync chunk {chunk} (error {code}); its replica is detached"
+                            ),
+                        );
                     }
                 }
                 self.sync_pump(now);
@@ -487,7 +505,10 @@ impl Endpoint {
                     return self.protocol_violation(now, format!("checksum reply at {offset}"));
                 };
                 let len = self.chunk_len(chunk);
-                let Some(s) = self.sync.as_mut().filter(|s| s.role == SyncRole::Source) else {
+                // A reply of an aborted verify must not count for a checksum resync.
+                let Some(s) = self.sync.as_mut().filter(|s| {
+                    s.role == SyncRole::Source && (s.kind == SyncKind::Verify) == verify
+                }) else {
                     return;
                 };
                 if !s.inflight.contains(&chunk) {
@@ -562,6 +583,12 @@ impl Endpoint {
             Message::SyncDone { generations } => {
                 let summary = match self.sync.take() {
                     Some(s) if s.role == SyncRole::Target => s.summary(now, true),
+                    None if self.detached => {
+                        // The run this node aborted when its replica lost data or was
+                        // detached: its data is not the source's, it stays inconsistent.
+                        info!(disk = %self.cfg.disk_name, "resync done on the peer, but this replica is detached: it stays inconsistent");
+                        return;
+                    }
                     other => {
                         self.sync = other;
                         return self.protocol_violation(now, "resync done unexpectedly".into());
@@ -592,22 +619,64 @@ impl Endpoint {
                     self.events.push_back(Event::ReleaseQuorum);
                 }
             }
+            Message::SyncRequest => self.sync_requested(now),
             _ => {}
         }
     }
 
-    /// A resync read, write or compare finished on the local replica.
+    /// The peer's replica lost data and asks for a full resync from this node.
+    fn sync_requested(&mut self, now: Instant) {
+        let (me, peer) = (self.cfg.node_id, self.cfg.peer_id);
+        let cannot = if self.detached {
+            Some("its own replica is detached")
+        } else if self.meta.sb.inconsistent
+            || matches!(&self.sync, Some(s) if s.role == SyncRole::Target)
+        {
+            Some("it is an unfinished sync target itself")
+        } else {
+            None
+        };
+        if let Some(why) = cannot {
+            let reason = format!(
+                "node {peer}'s replica lost data and it asked for a full resync, but node {me} \
+                 cannot be the source: {why}; neither node holds all the data"
+            );
+            self.lose_peer(now, reason.clone());
+            // After lose_peer (which empties the queue): the driver sends it, then closes.
+            return self.send(now, Message::Refuse { reason });
+        }
+        warn!(
+            disk = %self.cfg.disk_name,
+            "node {peer}'s replica lost data it had acknowledged: resyncing it from this node by checksum"
+        );
+        let next_checkpoint = self.sync.as_ref().map(|s| s.next_checkpoint);
+        self.abort_sync(
+            now,
+            &format!("node {peer} lost data and asked for a full resync"),
+        );
+        self.start_sync(now, SyncRole::Source, true);
+        if let (Some(id), Some(s)) = (next_checkpoint, self.sync.as_mut()) {
+            // An ack for a checkpoint of the aborted run may still come.
+            s.next_checkpoint = id;
+        }
+    }
+
+    /// A resync read, write or compare finished on the local replica. `suspect`: it was
+    /// issued before the replica lost data, so what it wrote or read may be gone.
     pub(super) fn sync_apply_done(
         &mut self,
         now: Instant,
         kind: ApplyKind,
         outcome: Result<(), ErrorKind>,
         data: Option<Bytes>,
+        suspect: bool,
     ) {
         let connected = self.state == LinkState::Connected;
         match kind {
             ApplyKind::SyncWrite { offset, data } => {
-                if outcome.is_ok() {
+                // A suspect write may be lost: its chunks stay marked, and the checksum
+                // pass that follows compares them again.
+                if outcome.is_ok() && !suspect {
                     self.clear_synced_range(offset, data.len() as u64);
                 }
                 if connected {
@@ -625,7 +694,7 @@ impl Endpoint {
                     return;
                 };
                 let data = match (outcome, data) {
-                    (Ok(()), Some(d)) if d.len() == len as usize => d,
+                    (Ok(()), Some(d)) if d.len() == len as usize && !suspect => d,
                     _ => {
                         if let Some(s) = self.sync.as_mut() {
                             let n = s.runs.remove(&chunk).unwrap_or(1);
@@ -664,7 +733,8 @@ impl Endpoint {
                 let Some(chunk) = self.chunk_of(offset) else {
                     return;
                 };
-                let equal = outcome.is_ok() && data.is_some_and(|d| crc32fast::hash(&d) == crc);
+                let equal =
+                    outcome.is_ok() && !suspect && data.is_some_and(|d| crc32fast::hash(&d) == crc);
                 if !verify && equal {
                     self.clear_synced(chunk);
                 }
