@@ -11,6 +11,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
+use vsan_cache::{CacheConfig, CacheMode};
 
 /// A configuration error: which key, and what is wrong with it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -131,17 +132,109 @@ pub enum Backing {
     Mem,
 }
 
-/// `[disk.cache]`.
+/// `[disk.cache]`: a persistent write-back cache (vsan-cache) on a fast device in front
+/// of the disk's backing store.
+///
+/// A cached disk is served in 4096-byte blocks, the cache's unit: its `block_size` is
+/// 4096 unless given (and any other value is refused). A mirrored disk with a cache is
+/// mirrored in 4096-byte blocks too, so its peer needs `block_size = 4096` (or a cache).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CacheSection {
-    /// The fast device or file.
+    /// The fast device or file (on persistent memory / DAX, an NVMe SSD, ...). A missing
+    /// file is created with `size` and formatted; an existing one that was never written
+    /// (all zeros) is formatted; a formatted one is opened and its log recovered.
     pub path: PathBuf,
-    /// Its size.
-    pub size: Size,
-    /// write-back | write-through | write-around | pass-through.
-    #[serde(default)]
+    /// Its size: required when the file does not exist; for an existing file it must be
+    /// the file's size, or be left out.
+    pub size: Option<Size>,
+    /// write-back (the default) | write-through | write-around | pass-through.
     pub mode: Option<String>,
+    /// Sequential cutoff: a run of sequential writes this long (or one write this large)
+    /// goes straight to the backing store. "0" turns it off; default 4 MiB.
+    pub sequential_cutoff: Option<Size>,
+    /// Percent of the log in use at which destaging runs at full speed (default 60).
+    pub high_watermark: Option<i64>,
+    /// Percent of the log destaging brings it down to once it went above the high
+    /// watermark (default 30).
+    pub low_watermark: Option<i64>,
+}
+
+/// The cache's unit: a cached disk has blocks of this size.
+pub const CACHE_BLOCK_SIZE: u32 = vsan_cache::format::CACHE_BLOCK;
+
+/// The smallest cache device: both superblocks and the smallest log.
+pub const MIN_CACHE_SIZE: u64 = vsan_cache::format::LOG_START + vsan_cache::format::MIN_LOG_LEN;
+
+/// The config word of a cache mode (`write-back`, ...).
+pub fn cache_mode_word(mode: CacheMode) -> &'static str {
+    match mode {
+        CacheMode::WriteBack => "write-back",
+        CacheMode::WriteThrough => "write-through",
+        CacheMode::WriteAround => "write-around",
+        CacheMode::PassThrough => "pass-through",
+    }
+}
+
+impl CacheSection {
+    /// The mode (`mode`; write-back when not given).
+    pub fn cache_mode(&self) -> Result<CacheMode, String> {
+        let text = self.mode.as_deref().map_or("write-back", str::trim);
+        [
+            CacheMode::WriteBack,
+            CacheMode::WriteThrough,
+            CacheMode::WriteAround,
+            CacheMode::PassThrough,
+        ]
+        .into_iter()
+        .find(|m| cache_mode_word(*m) == text)
+        .ok_or_else(|| {
+            format!("{text:?} is not one of write-back, write-through, write-around, pass-through")
+        })
+    }
+
+    /// The cache's settings from this section, with the defaults of
+    /// [`CacheConfig::default`] for keys not given. On error: the key inside
+    /// `[disk.cache]` that is wrong, and why. `data_loss` is left at its default: it
+    /// depends on whether the disk is mirrored, which the caller knows.
+    pub fn settings(&self) -> Result<CacheConfig, (&'static str, String)> {
+        let mut cfg = CacheConfig {
+            mode: Some(self.cache_mode().map_err(|m| ("mode", m))?),
+            ..CacheConfig::default()
+        };
+        if let Some(Size(n)) = self.sequential_cutoff {
+            if n != 0 && n < u64::from(CACHE_BLOCK_SIZE) {
+                return Err((
+                    "sequential_cutoff",
+                    format!("{n} bytes is neither 0 (off) nor at least {CACHE_BLOCK_SIZE}"),
+                ));
+            }
+            cfg.sequential_cutoff = n;
+        }
+        let percent = |key: &'static str, v: i64| {
+            u8::try_from(v)
+                .ok()
+                .filter(|p| (1..=100).contains(p))
+                .ok_or_else(|| (key, format!("{v} is not a percentage from 1 to 100")))
+        };
+        if let Some(v) = self.high_watermark {
+            cfg.high_watermark = percent("high_watermark", v)?;
+        }
+        if let Some(v) = self.low_watermark {
+            cfg.low_watermark = percent("low_watermark", v)?;
+        }
+        if cfg.low_watermark >= cfg.high_watermark {
+            return Err((
+                "low_watermark",
+                format!(
+                    "{}% is not below high_watermark ({}%)",
+                    cfg.low_watermark, cfg.high_watermark
+                ),
+            ));
+        }
+        cfg.check().map_err(|m| ("", m))?;
+        Ok(cfg)
+    }
 }
 
 /// `[[disk]]`.
@@ -157,9 +250,10 @@ pub struct DiskSection {
     pub backing: Backing,
     /// Image path for `backing = "file"`; default `data_dir/<name>.img`.
     pub path: Option<PathBuf>,
-    /// Logical block size (512 by default).
-    #[serde(default = "default_block_size")]
-    pub block_size: u32,
+    /// Logical block size (512 by default, 4096 with a cache); read it through
+    /// [`DiskSection::block_size`].
+    #[serde(rename = "block_size")]
+    pub block_size_given: Option<u32>,
     /// Open the image with O_DIRECT.
     #[serde(default)]
     pub direct: bool,
@@ -245,10 +339,6 @@ impl DiskSection {
     }
 }
 
-fn default_block_size() -> u32 {
-    512
-}
-
 /// The whole file.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -297,6 +387,16 @@ impl NbdAddr {
 }
 
 impl DiskSection {
+    /// The disk's logical block size: `block_size` when given, else 4096 for a disk with
+    /// a cache (its unit) and 512 for one without.
+    pub fn block_size(&self) -> u32 {
+        self.block_size_given.unwrap_or(if self.cache.is_some() {
+            CACHE_BLOCK_SIZE
+        } else {
+            512
+        })
+    }
+
     /// The image path of a file-backed disk.
     pub fn image_path(&self, data_dir: &Path) -> PathBuf {
         self.path
@@ -395,6 +495,7 @@ impl Config {
             }
         }
         let mut names = HashSet::new();
+        let mut cache_paths: Vec<(usize, &Path)> = Vec::new();
         for (i, d) in self.disk.iter().enumerate() {
             let key = |k: &str| format!("disk[{i}].{k}");
             let name_ok = !d.name.is_empty()
@@ -418,7 +519,7 @@ impl Config {
                     format!("disk {:?} is declared twice", d.name),
                 ));
             }
-            let bs = d.block_size;
+            let bs = d.block_size();
             if !bs.is_power_of_two() || !(512..=65536).contains(&bs) {
                 return Err(err(
                     key("block_size"),
@@ -442,11 +543,9 @@ impl Config {
                     return Err(err(key("peer"), format!("no [[peer]] with id {peer}")));
                 }
             }
-            if d.cache.is_some() {
-                return Err(err(
-                    key("cache"),
-                    "the write-back cache is not implemented in this build yet",
-                ));
+            if let Some(c) = &d.cache {
+                self.check_cache(i, d, c, &cache_paths)?;
+                cache_paths.push((i, c.path.as_path()));
             }
             if let Some(c) = d.bitmap_chunk {
                 let c = c.0;
@@ -462,6 +561,68 @@ impl Config {
             d.rate().map_err(|m| err(key("resync_rate"), m))?;
             d.split_brain_policy()
                 .map_err(|m| err(key("split_brain"), m))?;
+        }
+        Ok(())
+    }
+
+    /// `disk[i].cache`: its settings, a block size the cache can serve, and a path that
+    /// is no other disk's cache and no disk's image. (Whether the file exists, and what
+    /// it holds, is the node's to check when it starts.)
+    fn check_cache(
+        &self,
+        i: usize,
+        d: &DiskSection,
+        c: &CacheSection,
+        earlier: &[(usize, &Path)],
+    ) -> Result<(), ConfigError> {
+        let key = |k: &str| format!("disk[{i}].cache.{k}");
+        if d.block_size() != CACHE_BLOCK_SIZE {
+            return Err(err(
+                format!("disk[{i}].block_size"),
+                format!(
+                    "{} does not fit a disk with a cache, which works in {CACHE_BLOCK_SIZE}-byte \
+                     blocks: leave block_size out or set it to {CACHE_BLOCK_SIZE}",
+                    d.block_size()
+                ),
+            ));
+        }
+        c.settings().map_err(|(k, m)| {
+            err(
+                if k.is_empty() {
+                    format!("disk[{i}].cache")
+                } else {
+                    key(k)
+                },
+                m,
+            )
+        })?;
+        if c.path.as_os_str().is_empty() {
+            return Err(err(key("path"), "is empty"));
+        }
+        if let Some(Size(n)) = c.size
+            && n < MIN_CACHE_SIZE
+        {
+            return Err(err(
+                key("size"),
+                format!(
+                    "{n} bytes is under the smallest cache device of {MIN_CACHE_SIZE} bytes \
+                     (8 KiB of superblocks and a 64 KiB log)"
+                ),
+            ));
+        }
+        if let Some((j, _)) = earlier.iter().find(|(_, p)| *p == c.path) {
+            return Err(err(
+                key("path"),
+                format!("{} is also disk[{j}]'s cache", c.path.display()),
+            ));
+        }
+        for (j, other) in self.disk.iter().enumerate() {
+            if other.backing == Backing::File && other.image_path(&self.node.data_dir) == c.path {
+                return Err(err(
+                    key("path"),
+                    format!("{} is disk[{j}]'s image", c.path.display()),
+                ));
+            }
         }
         Ok(())
     }
@@ -491,6 +652,41 @@ nbd = "127.0.0.1:10809"
             c.disk[0].image_path(Path::new("/d")),
             PathBuf::from("/d/vol0.img")
         );
+    }
+
+    #[test]
+    fn cache_section_defaults_and_keys() {
+        let c = Config::parse(&format!("{GOOD}\n[disk.cache]\npath = \"/f/c\"\n")).unwrap();
+        let d = &c.disk[0];
+        assert_eq!(d.block_size(), 4096, "a cached disk has the cache's blocks");
+        let cache = d.cache.as_ref().unwrap();
+        assert_eq!(cache.size, None);
+        let s = cache.settings().unwrap();
+        let def = CacheConfig::default();
+        assert_eq!(s.mode, Some(CacheMode::WriteBack));
+        assert_eq!(
+            (s.sequential_cutoff, s.high_watermark, s.low_watermark),
+            (def.sequential_cutoff, def.high_watermark, def.low_watermark)
+        );
+        let c = Config::parse(&format!(
+            "{GOOD}\n[disk.cache]\npath = \"/f/c\"\nsize = \"256MiB\"\nmode = \"pass-through\"\n\
+             sequential_cutoff = \"0\"\nhigh_watermark = 90\nlow_watermark = 10\n"
+        ))
+        .unwrap();
+        let cache = c.disk[0].cache.as_ref().unwrap();
+        assert_eq!(cache.size, Some(Size(256 << 20)));
+        let s = cache.settings().unwrap();
+        assert_eq!(s.mode, Some(CacheMode::PassThrough));
+        assert_eq!(
+            (s.sequential_cutoff, s.high_watermark, s.low_watermark),
+            (0, 90, 10)
+        );
+        assert_eq!(Config::parse(GOOD).unwrap().disk[0].block_size(), 512);
+        let e = Config::parse(&format!(
+            "{GOOD}\n[disk.cache]\npath = \"/f/c\"\nsequential_cutoff = 100\n"
+        ))
+        .unwrap_err();
+        assert_eq!(e.key, "disk[0].cache.sequential_cutoff", "{e}");
     }
 
     #[test]

@@ -276,3 +276,232 @@ fn a_mirrored_disk_whose_image_is_gone_but_metadata_is_not_is_refused() {
         "the metadata after a refused start",
     );
 }
+
+/// A `[disk.cache]` section with `body` (its keys, one per line).
+fn cache_section(body: &str) -> String {
+    format!("\n[disk.cache]\n{body}\n")
+}
+
+/// The cache file used by the cache tests of `dir`.
+fn cache_file(dir: &TestDir) -> std::path::PathBuf {
+    dir.join("vol0.cache")
+}
+
+/// Cache settings that cannot work are refused while parsing, naming the key.
+#[test]
+fn bad_cache_settings_are_refused() {
+    let cases: &[(&str, &str, &str, &[&str])] = &[
+        (
+            "no-path",
+            "size = \"4MiB\"",
+            "disk[0].cache",
+            &["missing field `path`"],
+        ),
+        (
+            "mode",
+            "mode = \"write-sideways\"",
+            "disk[0].cache.mode",
+            &["write-sideways", "not one of", "write-back"],
+        ),
+        (
+            "high",
+            "high_watermark = 150",
+            "disk[0].cache.high_watermark",
+            &["150", "percentage"],
+        ),
+        (
+            "low",
+            "low_watermark = 70",
+            "disk[0].cache.low_watermark",
+            &["70%", "not below", "60%"],
+        ),
+        (
+            "cutoff",
+            "sequential_cutoff = \"12 parsecs\"",
+            "disk[0].cache.sequential_cutoff",
+            &["12 parsecs", "not a size"],
+        ),
+        (
+            "small",
+            "size = \"64KiB\"",
+            "disk[0].cache.size",
+            &["65536", "smallest cache device"],
+        ),
+        (
+            "unknown",
+            "flush_on_write = true",
+            "disk[0].cache.flush_on_write",
+            &["unknown field"],
+        ),
+    ];
+    for (tag, body, key, problem) in cases {
+        let dir = TestDir::new(&format!("cfg-cache-{tag}"));
+        let path = format!("path = {}\n", common::toml_str(cache_file(&dir)));
+        let body = if *tag == "no-path" {
+            body.to_string()
+        } else {
+            path + body
+        };
+        let config = node_section(&dir)
+            + &disk_section("vol0", "\"8MiB\"", "127.0.0.1:0")
+            + &cache_section(&body);
+        expect_config_error(&dir, &config, key, problem);
+        assert_nothing_created(&dir);
+        assert!(
+            !cache_file(&dir).exists(),
+            "{tag}: a cache file was created"
+        );
+    }
+}
+
+/// A cached disk works in the cache's 4096-byte blocks; a cache file cannot be a disk's
+/// image.
+#[test]
+fn a_cache_needs_4096_byte_blocks_and_a_file_of_its_own() {
+    let dir = TestDir::new("cfg-cache-bs");
+    let cache = cache_section(&format!(
+        "path = {}\nsize = \"4MiB\"",
+        common::toml_str(cache_file(&dir))
+    ));
+    let config = node_section(&dir)
+        + &disk_section("vol0", "\"8MiB\"", "127.0.0.1:0")
+        + "block_size = 512\n"
+        + &cache;
+    expect_config_error(&dir, &config, "disk[0].block_size", &["512", "4096"]);
+    assert_nothing_created(&dir);
+
+    let image = common::toml_str(dir.data_dir().join("vol0.img"));
+    let config = node_section(&dir)
+        + &disk_section("vol0", "\"8MiB\"", "127.0.0.1:0")
+        + &cache_section(&format!("path = {image}\nsize = \"4MiB\""));
+    expect_config_error(&dir, &config, "disk[0].cache.path", &["disk[0]'s image"]);
+    assert_nothing_created(&dir);
+}
+
+/// A cache file that does not exist cannot be made without a size.
+#[test]
+fn a_new_cache_file_needs_a_size() {
+    let dir = TestDir::new("cfg-cache-nosize");
+    let config = node_section(&dir)
+        + &disk_section("vol0", "\"8MiB\"", "127.0.0.1:0")
+        + &cache_section(&format!("path = {}", common::toml_str(cache_file(&dir))));
+    expect_config_error(&dir, &config, "disk[0].cache.size", &["does not exist"]);
+    assert!(!cache_file(&dir).exists(), "a cache file was created");
+    assert!(
+        !dir.data_dir().join("vol0.img").exists(),
+        "an image was created"
+    );
+}
+
+/// An existing cache file all of zeros is formatted at its own size when `size` is left
+/// out; once formatted, a `size` that differs from it is refused and the file is left
+/// alone, and one formatted for a disk of another size is refused for another disk.
+#[test]
+fn an_existing_cache_file_keeps_its_size_and_its_disk() {
+    let dir = TestDir::new("cfg-cache-existing");
+    std::fs::write(cache_file(&dir), vec![0u8; MIB as usize]).expect("make a zeroed file");
+    let path = common::toml_str(cache_file(&dir));
+    let config = node_section(&dir)
+        + &disk_section("vol0", "\"8MiB\"", "127.0.0.1:0")
+        + &cache_section(&format!("path = {path}"));
+    let node = Node::start(&dir, &config, &["vol0"]);
+    let line = node.wait_stdout(&["cache disk=vol0"], Duration::from_secs(10));
+    assert!(
+        line.contains("open=formatted") && line.contains(&format!("log_bytes={}", MIB - 8192)),
+        "{line}"
+    );
+    node.stop_clean(Sig::TERM);
+    let before = std::fs::read(cache_file(&dir)).expect("read the cache file");
+
+    let config = node_section(&dir)
+        + &disk_section("vol0", "\"8MiB\"", "127.0.0.1:0")
+        + &cache_section(&format!("path = {path}\nsize = \"2MiB\""));
+    expect_config_error(
+        &dir,
+        &config,
+        "disk[0].cache.size",
+        &["formatted cache of 1048576 bytes", "2097152"],
+    );
+
+    let config = node_section(&dir)
+        + &disk_section("vol1", "\"16MiB\"", "127.0.0.1:0")
+        + &cache_section(&format!("path = {path}"));
+    expect_config_error(
+        &dir,
+        &config,
+        "disk[0].cache.path",
+        &["formatted for a disk of 8388608 bytes", "16777216"],
+    );
+    assert!(
+        !dir.data_dir().join("vol1.img").exists(),
+        "the refused disk got an image"
+    );
+    let after = std::fs::read(cache_file(&dir)).expect("read the cache file");
+    assert_same_bytes(&after, &before, "the cache file after refused starts");
+
+    // The same config as at first opens it clean.
+    let config = node_section(&dir)
+        + &disk_section("vol0", "\"8MiB\"", "127.0.0.1:0")
+        + &cache_section(&format!("path = {path}"));
+    let node = Node::start(&dir, &config, &["vol0"]);
+    node.wait_stdout(&["cache disk=vol0", "open=clean"], Duration::from_secs(10));
+    node.stop_clean(Sig::TERM);
+}
+
+/// A file that holds data but is no cache is never formatted over (exit 1).
+#[test]
+fn a_file_that_is_not_a_cache_is_refused_and_left_alone() {
+    let dir = TestDir::new("cfg-cache-foreign");
+    let before: Vec<u8> = (0..MIB).map(|i| (i % 253) as u8 | 1).collect();
+    std::fs::write(cache_file(&dir), &before).expect("write the foreign file");
+    let config = node_section(&dir)
+        + &disk_section("vol0", "\"8MiB\"", "127.0.0.1:0")
+        + &cache_section(&format!("path = {}", common::toml_str(cache_file(&dir))));
+    let out = run_node_to_exit(&dir, &config);
+    assert_eq!(out.status.code(), Some(1), "{out}");
+    assert!(
+        out.stderr.contains("no vsan cache superblock")
+            && out.stderr.contains("not formatted over"),
+        "{out}"
+    );
+    let after = std::fs::read(cache_file(&dir)).expect("read the file");
+    assert_same_bytes(&after, &before, "the foreign file after a refused start");
+    assert!(
+        !dir.data_dir().join("vol0.img").exists(),
+        "an image was created"
+    );
+}
+
+/// A cache that holds writes for an image that is gone is not replayed onto a new
+/// image (exit 1), and nothing is created.
+#[test]
+fn a_cache_holding_writes_of_a_vanished_image_is_refused() {
+    let dir = TestDir::new("cfg-cache-orphan");
+    let config = node_section(&dir)
+        + &disk_section("vol0", "\"8MiB\"", "127.0.0.1:0")
+        + &cache_section(&format!(
+            "path = {}\nsize = \"1MiB\"",
+            common::toml_str(cache_file(&dir))
+        ));
+    let node = Node::start(&dir, &config, &["vol0"]);
+    let addr = node.addr("vol0").to_string();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    rt.block_on(async {
+        let c = within("connect", Client::connect_tcp(&addr, "")).await;
+        within("write", c.write(8192, &[0x5a; 4096], false)).await;
+    });
+    // Killed: the cache is not closed, its write not destaged.
+    node.stop(Sig::KILL);
+    let image = dir.data_dir().join("vol0.img");
+    std::fs::remove_file(&image).expect("remove the image");
+    let out = run_node_to_exit(&dir, &config);
+    assert_eq!(out.status.code(), Some(1), "{out}");
+    assert!(
+        out.stderr.contains("holds writes for the image") && out.stderr.contains("vol0.img"),
+        "{out}"
+    );
+    assert!(!image.exists(), "the refused start created an image");
+}

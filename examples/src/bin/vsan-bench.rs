@@ -16,7 +16,7 @@ use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
-use vsan_examples::{latency, resync_bench};
+use vsan_examples::{cache_bench, latency, resync_bench};
 
 #[derive(Parser, Debug)]
 #[command(version, about = "vsan benchmarks against the tools users run today")]
@@ -98,6 +98,39 @@ enum Cmd {
         #[arg(long)]
         direct: bool,
     },
+    /// The write-back cache (fast device: a mapped file on tmpfs) against its backing
+    /// file alone with durable writes: QD1 latency, the cache's software overhead, QD32
+    /// IOPS, and single-thread read IOPS.
+    Cache {
+        /// Seconds of each throughput measurement (and the most a QD1 run on the backing
+        /// file alone takes per round).
+        #[arg(long, default_value_t = 3.0)]
+        seconds: f64,
+        /// Rounds of the QD1 and QD32 comparisons.
+        #[arg(long, default_value_t = 3)]
+        rounds: u32,
+        /// QD1 writes per path per round.
+        #[arg(long, default_value_t = 20000)]
+        count: u32,
+        /// Fast device size in MiB.
+        #[arg(long, default_value_t = 1024)]
+        cache_mib: u64,
+        /// Fast device size in MiB of the steady-state (destage-limited) figures.
+        #[arg(long, default_value_t = 64)]
+        small_cache_mib: u64,
+        /// Backing file size in MiB.
+        #[arg(long, default_value_t = 1024)]
+        backing_mib: u64,
+        /// Queue depth of the throughput comparison.
+        #[arg(long, default_value_t = 32)]
+        depth: usize,
+        /// Work directory of the backing file, on a real disk (default: target/vsan-bench).
+        #[arg(long)]
+        work_dir: Option<PathBuf>,
+        /// Directory of the fast device files (tmpfs, standing in for persistent memory).
+        #[arg(long, default_value = "/dev/shm")]
+        shm_dir: PathBuf,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -162,6 +195,28 @@ fn main() -> ExitCode {
             depth,
             rounds,
             dir: work_dir.unwrap_or_else(default_dir),
+        })
+        .map_err(|e| -> BoxError { e.to_string().into() }),
+        Cmd::Cache {
+            seconds,
+            rounds,
+            count,
+            cache_mib,
+            small_cache_mib,
+            backing_mib,
+            depth,
+            work_dir,
+            shm_dir,
+        } => cache_bench::run(cache_bench::Opts {
+            seconds,
+            rounds,
+            count,
+            cache_mib,
+            small_cache_mib,
+            backing_mib,
+            depth,
+            dir: work_dir.unwrap_or_else(default_dir),
+            shm_dir,
         })
         .map_err(|e| -> BoxError { e.to_string().into() }),
     };

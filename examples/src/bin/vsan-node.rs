@@ -11,6 +11,19 @@
 //! Once all listeners are bound it prints one line per disk on stdout,
 //! `ready disk=<name> nbd=<address>`, with the actual port when the config said port 0.
 //!
+//! A disk with `[disk.cache]` is served through a write-back cache (vsan-cache) on the
+//! cache file, in front of its image; under a mirror the cache is the local replica's
+//! data device. A missing or all-zero cache file is formatted; a formatted one is opened
+//! and its log replayed if the node did not stop cleanly. Before the ready lines the node
+//! prints, per cached disk,
+//! `cache disk=<name> mode=<mode> open=<formatted|clean|recovered> records=<replayed>
+//! dirty_bytes=<bytes> log_bytes=<bytes>`. On shutdown the cache is closed last (every
+//! cached write destaged to the image, the cache marked clean) and its counters logged.
+//! A cache file formatted for a disk of another size, or of another size than `size`
+//! says, is a configuration error (exit 2); a file with data but no cache superblock is
+//! never formatted over, and a cache holding writes for an image that is gone is not
+//! replayed onto a new one (exit 1).
+//!
 //! Mirrored disks keep their metadata (superblock, activity log, resync bitmap) in
 //! `data_dir/<name>.meta`, created with the disk's image and never re-initialised: a
 //! corrupt, truncated or foreign metadata file stops the node with a message (exit 1).
@@ -28,15 +41,19 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use clap::Parser;
 use tokio::net::{TcpListener, UnixListener};
 use tracing::{error, info, warn};
+use vsan_cache::format::{self as cache_format, Superblock as CacheSuperblock};
+use vsan_cache::{CacheState, DataLoss, FastDevice, WriteBackCache};
 use vsan_core::export::nbd::{Export, Server};
 use vsan_core::{BlockDevice, ErrorKind, FileOptions, Geometry, MemDevice};
-use vsan_examples::config::{Backing, Config, DiskSection, NbdAddr, Rate, SplitBrain};
+use vsan_examples::config::{
+    Backing, CacheSection, Config, DiskSection, NbdAddr, Rate, SplitBrain, cache_mode_word,
+};
 use vsan_replica::connect::{accept_loop, dial_loop};
 use vsan_replica::meta::{self, DEFAULT_CHUNK_SIZE};
 use vsan_replica::protocol::{
@@ -74,6 +91,13 @@ enum StartError {
 struct Disk {
     name: String,
     device: Arc<dyn BlockDevice>,
+}
+
+/// A disk's write-back cache, kept apart from the device stack so that shutdown can
+/// close it once the disk above it is closed.
+struct CachedDisk {
+    name: String,
+    cache: Arc<WriteBackCache>,
 }
 
 enum Listener {
@@ -194,11 +218,23 @@ async fn run(config: Config, discard: Vec<String>) -> Result<(), StartError> {
         None => None,
     };
 
+    // Every cache file is checked before any image is created or opened: a refused
+    // cache leaves nothing behind.
+    let mut cache_files = Vec::with_capacity(config.disk.len());
+    for (i, d) in config.disk.iter().enumerate() {
+        cache_files.push(match &d.cache {
+            Some(c) => Some(inspect_cache(i, d, c, &node.data_dir)?),
+            None => None,
+        });
+    }
+
     let transport: Arc<dyn Transport> = Arc::new(TcpTransport::new());
     let mut disks = Vec::new();
     let mut mirrored = HashMap::new();
     let mut mirrors: Vec<MirroredDisk> = Vec::new();
     let mut background = Vec::new();
+    let mut caches = Vec::new();
+    let mut cache_lines = Vec::new();
     for (i, d) in config.disk.iter().enumerate() {
         if d.peer.is_some() && d.backing == Backing::File {
             // A replica whose image is gone but whose metadata is not would claim data it
@@ -216,7 +252,24 @@ async fn run(config: Config, discard: Vec<String>) -> Result<(), StartError> {
                 )));
             }
         }
-        let local = open_disk(i, d, &node.data_dir)?;
+        let cache_file = cache_files[i].take();
+        let backing = open_disk(i, d, &node.data_dir)?;
+        let local = match (&d.cache, cache_file) {
+            (Some(c), Some(file)) => {
+                let (cache, line) = open_cache(i, d, c, file, backing, d.peer.is_some()).await?;
+                cache_lines.push(line);
+                background.push(tokio::spawn(watch_cache(
+                    d.name.clone(),
+                    Arc::downgrade(&cache),
+                )));
+                caches.push(CachedDisk {
+                    name: d.name.clone(),
+                    cache: Arc::clone(&cache),
+                });
+                cache as Arc<dyn BlockDevice>
+            }
+            _ => backing,
+        };
         let device: Arc<dyn BlockDevice> = match d.peer {
             None => local,
             Some(peer_id) => {
@@ -297,7 +350,8 @@ async fn run(config: Config, discard: Vec<String>) -> Result<(), StartError> {
     }
 
     let mut servers = Vec::new();
-    let mut ready_lines = ready_lines_pre;
+    let mut ready_lines = cache_lines;
+    ready_lines.extend(ready_lines_pre);
     for (addr, members, listener) in bound {
         let shown = match &listener {
             Listener::Tcp(l) => l
@@ -342,7 +396,10 @@ async fn run(config: Config, discard: Vec<String>) -> Result<(), StartError> {
     }
     info!(
         disks = disks.len(),
-        exports = ready_lines.len(),
+        exports = ready_lines
+            .iter()
+            .filter(|l| l.starts_with("ready disk="))
+            .count(),
         "vsan-node ready"
     );
 
@@ -373,8 +430,12 @@ async fn run(config: Config, discard: Vec<String>) -> Result<(), StartError> {
             }
         }
     }
-    for task in background {
+    for task in &background {
         task.abort();
+    }
+    for task in background {
+        // An aborted task has dropped what it held once this returns.
+        let _ = task.await;
     }
     for disk in &mirrors {
         match tokio::time::timeout(DRAIN_TIMEOUT, disk.close()).await {
@@ -383,12 +444,21 @@ async fn run(config: Config, discard: Vec<String>) -> Result<(), StartError> {
             Err(_) => warn!(disk = disk.name(), "closing the mirror timed out"),
         }
     }
+    // Caches last: everything above them is closed; a cache refuses I/O once closed.
+    drop(servers);
+    drop(disks);
+    drop(mirrors);
+    for c in caches {
+        if !close_cache(c).await {
+            failed = true;
+        }
+    }
     for path in &sockets {
         let _ = std::fs::remove_file(path);
     }
     if failed {
         return Err(StartError::Runtime(
-            "final flush failed; data may not be durable".into(),
+            "final flush or cache close failed; data may not be durable".into(),
         ));
     }
     info!("vsan-node stopped cleanly");
@@ -404,7 +474,7 @@ fn open_disk(
     let key = |k: &str| format!("key `disk[{i}].{k}`");
     match d.backing {
         Backing::Mem => {
-            let g = Geometry::new(d.size.0, d.block_size)
+            let g = Geometry::new(d.size.0, d.block_size())
                 .map_err(|e| StartError::Config(format!("{}: {e}", key("size"))))?;
             info!(disk = %d.name, size = d.size.0, "RAM disk created");
             Ok(Arc::new(MemDevice::new(g)))
@@ -418,7 +488,7 @@ fn open_disk(
             }
             let existed = path.exists();
             let dev = FileOptions::new()
-                .block_size(d.block_size)
+                .block_size(d.block_size())
                 .direct(d.direct)
                 .create(d.size.0)
                 .open(&path)
@@ -433,6 +503,306 @@ fn open_disk(
             Ok(Arc::new(dev))
         }
     }
+}
+
+/// What a disk's cache file holds, learnt before anything is created or opened.
+enum CacheFile {
+    /// Missing, or never written (all zeros where the superblocks go): format it, at
+    /// `len` bytes.
+    Blank { len: u64 },
+    /// A formatted cache device.
+    Formatted { sb: CacheSuperblock },
+}
+
+/// Look at disk `i`'s cache file and check it against the config: a missing file needs
+/// `size`; an existing one must have the size `size` gives (when given), and, when
+/// formatted, belong to a disk of this size and block size (exit 2 otherwise). A file
+/// with data but no cache superblock is not formatted over, and a cache holding data for
+/// an image that is gone is not replayed onto a new one (exit 1).
+fn inspect_cache(
+    i: usize,
+    d: &DiskSection,
+    c: &CacheSection,
+    data_dir: &Path,
+) -> Result<CacheFile, StartError> {
+    let key = |k: &str| format!("key `disk[{i}].cache.{k}`");
+    let path = &c.path;
+    let shown = path.display();
+    let meta = match std::fs::metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return match c.size {
+                Some(size) => Ok(CacheFile::Blank { len: size.0 }),
+                None => Err(StartError::Config(format!(
+                    "{}: the cache file {shown} does not exist; give its size to create it",
+                    key("size")
+                ))),
+            };
+        }
+        Err(e) => {
+            return Err(StartError::Runtime(format!(
+                "disk {}: cache file {shown}: {e}",
+                d.name
+            )));
+        }
+    };
+    if !meta.is_file() {
+        return Err(StartError::Config(format!(
+            "{}: {shown} is not a regular file (the cache maps a file: one on a DAX file \
+             system for persistent memory, or on an NVMe SSD)",
+            key("path")
+        )));
+    }
+    let len = meta.len();
+    let head = {
+        use std::io::Read;
+        let mut buf = Vec::new();
+        std::fs::File::open(path)
+            .and_then(|f| f.take(cache_format::LOG_START).read_to_end(&mut buf))
+            .map_err(|e| {
+                StartError::Runtime(format!("disk {}: cache file {shown}: {e}", d.name))
+            })?;
+        buf
+    };
+    let sb = if head.len() as u64 == cache_format::LOG_START {
+        let (copy0, copy1) = head.split_at(cache_format::SUPERBLOCK_LEN);
+        cache_format::pick(copy0, copy1)
+    } else {
+        Err(cache_format::FormatError::Short {
+            what: "cache device",
+            len: head.len(),
+            need: cache_format::LOG_START as usize,
+        })
+    };
+    let sb = match sb {
+        Ok(sb) => sb,
+        Err(_) if head.iter().all(|&b| b == 0) => {
+            return match c.size {
+                Some(size) if size.0 < len => Err(StartError::Config(format!(
+                    "{}: the cache file {shown} is {len} bytes, more than the {} bytes given",
+                    key("size"),
+                    size.0
+                ))),
+                // A shorter file is extended.
+                Some(size) => Ok(CacheFile::Blank { len: size.0 }),
+                None if len < vsan_examples::config::MIN_CACHE_SIZE => {
+                    Err(StartError::Config(format!(
+                        "{}: the cache file {shown} is only {len} bytes; give the size to \
+                         make it (at least {} bytes)",
+                        key("size"),
+                        vsan_examples::config::MIN_CACHE_SIZE
+                    )))
+                }
+                None => Ok(CacheFile::Blank { len }),
+            };
+        }
+        Err(e) => {
+            return Err(StartError::Runtime(format!(
+                "disk {}: refusing to use {shown} as its cache: it holds data but no vsan \
+                 cache superblock ({e}); it is not formatted over: remove the file (or zero \
+                 its first 8 KiB) to have it formatted anew",
+                d.name
+            )));
+        }
+    };
+    if let Some(size) = c.size
+        && size.0 != len
+    {
+        return Err(StartError::Config(format!(
+            "{}: the cache file {shown} is a formatted cache of {len} bytes, not {}: leave \
+             size out or give the file's size",
+            key("size"),
+            size.0
+        )));
+    }
+    if sb.backing_size != d.size.0 || sb.backing_block_size != d.block_size() {
+        return Err(StartError::Config(format!(
+            "{}: the cache file {shown} was formatted for a disk of {} bytes in {}-byte blocks; \
+             disk {} has {} bytes in {}-byte blocks",
+            key("path"),
+            sb.backing_size,
+            sb.backing_block_size,
+            d.name,
+            d.size.0,
+            d.block_size()
+        )));
+    }
+    let holds_data = !(sb.clean_shutdown && sb.head == sb.tail);
+    if d.backing == Backing::File && holds_data && !d.image_path(data_dir).exists() {
+        return Err(StartError::Runtime(format!(
+            "disk {}: refusing to attach: the cache {shown} holds writes for the image {}, \
+             which does not exist; replaying them onto a new image would make a disk that \
+             never was: remove the cache file too",
+            d.name,
+            d.image_path(data_dir).display()
+        )));
+    }
+    Ok(CacheFile::Formatted { sb })
+}
+
+/// Map disk `i`'s cache file, format it when it is blank (or when the backing store is
+/// RAM, which holds nothing to recover), and open the cache over `backing`. Returns the
+/// cache and its `cache disk=...` report line.
+async fn open_cache(
+    i: usize,
+    d: &DiskSection,
+    c: &CacheSection,
+    file: CacheFile,
+    backing: Arc<dyn BlockDevice>,
+    mirrored: bool,
+) -> Result<(Arc<WriteBackCache>, String), StartError> {
+    let shown = c.path.display();
+    let key = |k: &str| format!("key `disk[{i}].cache.{k}`");
+    let mut cfg = c
+        .settings()
+        .map_err(|(k, m)| StartError::Config(format!("{}: {m}", key(k))))?;
+    let mode = c
+        .cache_mode()
+        .map_err(|m| StartError::Config(format!("{}: {m}", key("mode"))))?;
+    // Under a mirror the peer holds what a failed cache device lost: serve the older
+    // data and let the mirror resync this replica. Alone, nothing else holds it.
+    cfg.data_loss = if mirrored {
+        DataLoss::ServeBacking
+    } else {
+        DataLoss::FailReads
+    };
+    let runtime = |e: vsan_core::Error| {
+        StartError::Runtime(format!("disk {}: cache file {shown}: {e}", d.name))
+    };
+    let (fast, format_why) = match file {
+        CacheFile::Blank { len } => {
+            if let Some(parent) = c.path.parent() {
+                std::fs::create_dir_all(parent).map_err(|e| {
+                    StartError::Runtime(format!("cannot create {}: {e}", parent.display()))
+                })?;
+            }
+            let fast = FastDevice::map_file(&c.path, Some(len)).map_err(runtime)?;
+            (fast, Some("new"))
+        }
+        CacheFile::Formatted { sb } => {
+            let fast = FastDevice::map_file(&c.path, None).map_err(runtime)?;
+            let why =
+                (d.backing == Backing::Mem).then_some(if sb.clean_shutdown && sb.head == sb.tail {
+                    "the backing store is RAM"
+                } else {
+                    "the backing store is RAM: its cached writes belong to a disk that is gone"
+                });
+            (fast, why)
+        }
+    };
+    let formatted = format_why.is_some();
+    if let Some(why) = format_why {
+        WriteBackCache::format(&fast, backing.as_ref(), mode)
+            .await
+            .map_err(|e| match e.kind() {
+                ErrorKind::InvalidArgument => StartError::Config(format!("{}: {e}", key("size"))),
+                _ => runtime(e),
+            })?;
+        info!(disk = %d.name, path = %shown, size = fast.len(), mode = cache_mode_word(mode),
+            "cache file formatted ({why})");
+    }
+    let cache = WriteBackCache::open(fast, backing, cfg)
+        .await
+        .map_err(|e| match e.kind() {
+            ErrorKind::InvalidArgument => StartError::Config(format!("{}: {e}", key("path"))),
+            _ => StartError::Runtime(format!(
+                "disk {}: refusing to attach the cache {shown}: {e}",
+                d.name
+            )),
+        })?;
+    let r = cache.recovery().clone();
+    let s = cache.stats();
+    let open = if formatted {
+        "formatted"
+    } else if r.clean {
+        "clean"
+    } else {
+        "recovered"
+    };
+    if r.clean {
+        info!(disk = %d.name, path = %shown, mode = cache_mode_word(s.mode),
+            log_bytes = s.log_bytes, "cache opened ({open})");
+    } else {
+        info!(disk = %d.name, path = %shown, mode = cache_mode_word(s.mode),
+            records = r.records, bytes = r.bytes, dirty_blocks = s.dirty_blocks,
+            stopped = %r.stopped,
+            "cache crash recovery: {} records replayed", r.records);
+    }
+    let line = format!(
+        "cache disk={} mode={} open={open} records={} dirty_bytes={} log_bytes={}",
+        d.name,
+        cache_mode_word(s.mode),
+        r.records,
+        s.dirty_bytes,
+        s.log_bytes
+    );
+    Ok((Arc::new(cache), line))
+}
+
+/// Say once on stdout (`problem disk=<name> ...`) when a disk's cache device fails: the
+/// cache goes on in pass-through, and the log says what was lost.
+async fn watch_cache(name: String, cache: Weak<WriteBackCache>) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tick.tick().await;
+        let Some(state) = cache.upgrade().map(|c| c.state()) else {
+            return;
+        };
+        match state {
+            CacheState::Running => {}
+            CacheState::Failed { lost_blocks } => {
+                say(&format!(
+                    "problem disk={name} cache device failed: now pass-through, \
+                     lost_blocks={lost_blocks}"
+                ));
+                return;
+            }
+            CacheState::Closed => return,
+        }
+    }
+}
+
+/// Close a disk's cache: destage everything, flush the backing store, mark the cache
+/// device clean (the next start scans nothing), and log its counters. Returns whether it
+/// closed cleanly.
+async fn close_cache(c: CachedDisk) -> bool {
+    let CachedDisk { name, cache: own } = c;
+    let closed = tokio::time::timeout(DRAIN_TIMEOUT, own.close()).await;
+    log_cache_stats(&name, &own);
+    match closed {
+        Ok(Ok(())) => {
+            info!(disk = %name, "cache closed: everything destaged, marked clean");
+            true
+        }
+        Ok(Err(e)) => {
+            error!(disk = %name, "closing the cache failed: {e}");
+            false
+        }
+        Err(_) => {
+            error!(disk = %name, "closing the cache timed out after {DRAIN_TIMEOUT:?}");
+            false
+        }
+    }
+}
+
+fn log_cache_stats(name: &str, cache: &WriteBackCache) {
+    let s = cache.stats();
+    info!(
+        disk = %name,
+        mode = cache_mode_word(s.mode),
+        state = ?s.state,
+        read_hits = s.read_hits,
+        read_misses = s.read_misses,
+        cached_bytes = s.cached_bytes,
+        bypassed_bytes = s.bypassed_bytes,
+        destaged_bytes = s.destaged_bytes,
+        destage_epochs = s.destage_epochs,
+        commits = s.commits,
+        appends = s.appends,
+        dirty_bytes = s.dirty_bytes,
+        data_loss_count = s.data_loss_count,
+        "cache stats"
+    );
 }
 
 async fn bind(addr: &NbdAddr) -> std::io::Result<Listener> {
