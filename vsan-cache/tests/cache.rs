@@ -158,6 +158,17 @@ async fn open_refuses_another_backing_store_and_garbage() {
             .contains("formatted for a backing store of 4194304"),
         "{e}"
     );
+    // Same size, another block size.
+    let other = Arc::new(MemDevice::new(Geometry::new(4 << 20, 4096).unwrap()));
+    let e = WriteBackCache::open(FastDevice::block(fast.clone()), other, quiet())
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+    assert!(
+        e.to_string()
+            .contains("in 512-byte blocks; this one has 4194304 bytes in 4096-byte"),
+        "{e}"
+    );
     let blank = mem(1 << 20);
     let e = WriteBackCache::open(FastDevice::block(blank), mem(4 << 20), quiet())
         .await
