@@ -155,8 +155,10 @@ pub(crate) struct Inner {
 /// # Modes (switch with [`set_mode`](Self::set_mode); kept on the device)
 /// - **write-back**: writes go to the log (subject to the sequential cutoff).
 /// - **write-through**: records overlapping the write are destaged first, then the write
-///   goes to the log and to the backing store at once; it completes when both have it.
-///   The backing store always has every acknowledged write; the log serves reads.
+///   goes to the backing store and, once it is there, to the log; it completes when both
+///   have it. The backing store always has every acknowledged write (durable after a
+///   flush or with FUA, as on the backing store alone); the log serves reads, and losing
+///   the cache device loses nothing.
 /// - **write-around**: records overlapping the write are destaged first, then it goes to
 ///   the backing store only.
 /// - **pass-through**: like write-around, and the destager empties the log at full speed.
@@ -574,6 +576,10 @@ impl WriteBackCache {
     }
 }
 
+/// Dropping the cache stops its background destager without waiting: a destage step
+/// already running on another thread may still finish its current write. Call
+/// [`close`](WriteBackCache::close) first to stop cleanly (and before opening the same
+/// devices again in the same process).
 impl Drop for WriteBackCache {
     fn drop(&mut self) {
         self.inner.shutdown.store(true, Ordering::Release);
@@ -879,12 +885,12 @@ impl Inner {
             }
             CacheMode::WriteThrough if n <= 1 << 16 => {
                 self.drain_overlapping(lba, n).await?;
-                let (log, backing) = tokio::join!(
-                    self.append(lba, n, payload.clone(), true),
-                    self.backing_write(offset, payload.clone(), len, flags)
-                );
-                backing?;
-                match log {
+                // The backing store first: a record marked clean is skipped by destage,
+                // whose backing flush covers only writes that completed before it. So the
+                // record may exist only once its backing write has completed.
+                self.backing_write(offset, payload.clone(), len, flags)
+                    .await?;
+                match self.append(lba, n, payload, true).await {
                     Ok(()) => Ok(()),
                     // The backing store has the data: a failed cache device loses nothing.
                     Err(_) if self.failed.load(Ordering::Acquire) => Ok(()),
