@@ -171,12 +171,29 @@ pub fn start_pair_with(
 
 /// A free loopback address, for a listener whose address must be known before it starts
 /// or kept across a restart.
+///
+/// The port comes from below the kernel's ephemeral range, so no outgoing connection can
+/// be given it as its source port meanwhile (a node dialing a port nobody listens on yet
+/// can otherwise connect to itself, and the listener later finds the port taken).
 pub fn free_loopback_addr() -> String {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free loopback port");
-    format!("127.0.0.1:{port}")
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    let span = u32::from(low.saturating_sub(10_000)).max(1);
+    // A different start per process and call, then a walk over the range.
+    let seed = std::process::id()
+        ^ std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0);
+    for i in 0..span {
+        let port = 10_000 + ((seed.wrapping_mul(2_654_435_761).wrapping_add(i)) % span) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return format!("127.0.0.1:{port}");
+        }
+    }
+    panic!("no free loopback port below {low}");
 }
 
 /// Stop both nodes with SIGTERM, each required to exit 0; node 1 first.
