@@ -22,7 +22,7 @@
 //! |--------|------|----------------------------------------------------------------|
 //! | 0      | 8    | magic `VSANCACH`                                               |
 //! | 8      | 4    | format version (1)                                             |
-//! | 12     | 4    | flags: bit 0 clean shutdown; others 0                          |
+//! | 12     | 4    | flags: bit 0 clean shutdown, bit 1 failed (log stale); others 0 |
 //! | 16     | 8    | seq (this copy lives in slot `seq % 2`)                        |
 //! | 24     | 16   | cache id, random, set at format                                |
 //! | 40     | 8    | backing store size in bytes                                    |
@@ -91,8 +91,8 @@ pub use record::{
 };
 pub use scan::{ScanEnd, StopReason, scan};
 pub use superblock::{
-    CacheMode, FLAG_CLEAN_SHUTDOWN, FORMAT_VERSION, SUPERBLOCK_MAGIC, Superblock, pick,
-    superblock_offset,
+    CacheMode, FLAG_CLEAN_SHUTDOWN, FLAG_FAILED, FORMAT_VERSION, SUPERBLOCK_MAGIC, Superblock,
+    pick, superblock_offset,
 };
 
 /// Bytes in one superblock copy.

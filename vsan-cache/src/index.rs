@@ -8,7 +8,7 @@
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, Ordering};
 
 use parking_lot::{Mutex, MutexGuard};
 
@@ -57,14 +57,16 @@ pub(crate) type Shard = HashMap<u64, Slot, BuildHasherDefault<BlockHasher>>;
 /// The sharded index.
 pub(crate) struct Index {
     shards: Box<[Mutex<Shard>]>,
-    entries: AtomicU64,
+    /// Entries, counted per change (signed: a `clear` racing a removal may briefly
+    /// take it below the truth; `len` never reports less than 0).
+    entries: AtomicI64,
 }
 
 impl Index {
     pub fn new() -> Index {
         Index {
             shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
-            entries: AtomicU64::new(0),
+            entries: AtomicI64::new(0),
         }
     }
 
@@ -166,15 +168,23 @@ impl Index {
 
     /// Drop every entry.
     pub fn clear(&self) {
+        self.retain(|_| false);
+    }
+
+    /// Keep only the entries for which `keep` is true.
+    pub fn retain(&self, mut keep: impl FnMut(&Slot) -> bool) {
         for s in self.shards.iter() {
-            s.lock().clear();
+            let mut shard = s.lock();
+            let before = shard.len();
+            shard.retain(|_, slot| keep(slot));
+            let gone = (before - shard.len()) as i64;
+            self.entries.fetch_sub(gone, Ordering::Relaxed);
         }
-        self.entries.store(0, Ordering::Relaxed);
     }
 
     /// Blocks with an entry.
     pub fn len(&self) -> u64 {
-        self.entries.load(Ordering::Relaxed)
+        self.entries.load(Ordering::Relaxed).max(0) as u64
     }
 }
 

@@ -131,6 +131,15 @@ impl FastDevice {
         self.len == 0
     }
 
+    /// The unit of a write that a power cut leaves whole or not at all: the block size of
+    /// a block device; 64 (a cache line) for a mapped file.
+    pub fn block_size(&self) -> u32 {
+        match &self.kind {
+            Kind::Mapped { .. } => 64,
+            Kind::Block(dev) => dev.geometry().block_size(),
+        }
+    }
+
     /// Whether this is a mapped file (reads and appends are memory copies).
     pub fn is_mapped(&self) -> bool {
         matches!(self.kind, Kind::Mapped { .. })

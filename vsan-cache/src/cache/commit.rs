@@ -102,6 +102,9 @@ impl Inner {
         }
         let commit = {
             let mut q = self.commit.lock();
+            // Checked under the lock `close` sets it under: no append is queued after a
+            // close has seen the queue idle.
+            self.check_open()?;
             for (lba, n, payload) in pieces {
                 let (tx, rx) = oneshot::channel();
                 rxs.push(rx);
@@ -116,7 +119,18 @@ impl Inner {
             !std::mem::replace(&mut q.committing, true)
         };
         if commit {
-            self.run_commits().await;
+            match tokio::runtime::Handle::try_current() {
+                // On a block device, appends are device writes that go on after a dropped
+                // future; committing on a task of its own means no commit is ever left
+                // half done (a later commit could otherwise be overwritten by it). On a
+                // mapped device an append is a memory copy with no I/O left behind, and
+                // committing here saves a hand-off to another thread.
+                Ok(rt) if !self.fast.is_mapped() => {
+                    let inner = Arc::clone(self);
+                    rt.spawn(async move { inner.run_commits_on().await });
+                }
+                _ => self.run_commits().await,
+            }
         }
         let mut result = Ok(());
         for rx in rxs {
@@ -183,7 +197,7 @@ impl Inner {
         }
     }
 
-    async fn commit_batch(&self, batch: Vec<Append>) {
+    async fn commit_batch(self: &Arc<Self>, batch: Vec<Append>) {
         let (head, seq) = {
             let log = self.log.lock();
             (log.head, log.next_seq)
@@ -359,7 +373,7 @@ impl Inner {
         let waiters = std::mem::take(&mut seg.waiters);
         let published = match result {
             Err(e) => {
-                self.fail(&e);
+                self.fail_and_mark(&e).await;
                 Err(e)
             }
             Ok(()) => {
@@ -422,7 +436,7 @@ impl Inner {
 
     /// Wait until the log has room up to position `next`: destage inline without a
     /// background destager, otherwise wake it and wait for it.
-    async fn wait_space(&self, next: u64) -> Result<()> {
+    async fn wait_space(self: &Arc<Self>, next: u64) -> Result<()> {
         loop {
             if self.failed.load(Ordering::Acquire) {
                 return Err(failed_err());
@@ -440,11 +454,10 @@ impl Inner {
                 ));
             }
             if self.cfg.background && !self.shutdown.load(Ordering::Acquire) {
-                self.want_space.fetch_add(1, Ordering::AcqRel);
+                let _urgent = super::destage::Counted::new(&self.want_space);
                 self.wake.notify_one();
                 notified.await;
-                self.want_space.fetch_sub(1, Ordering::AcqRel);
-            } else if !self.destage_epoch().await? {
+            } else if !self.destage_detached().await? {
                 return Err(Error::new(
                     ErrorKind::NoSpace,
                     "cache log full with nothing to destage",

@@ -2,6 +2,7 @@
 //! destager with its rate controller.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::AtomicU64;
 use std::time::{Duration, Instant};
 
 use super::*;
@@ -68,6 +69,14 @@ impl Inner {
             *self.destage_error.lock() = Some(Error::new(e.kind(), e.context().to_string()));
             self.space.notify_waiters();
             return Err(e);
+        }
+        // The backing store has the epoch now: if the cache device fails before the tail
+        // moves, none of it counts as lost.
+        {
+            let mut log = self.log.lock();
+            for r in log.records.iter_mut().take(recs.len()) {
+                r.clean = true;
+            }
         }
         let (tail, tail_seq) = (last.next, last.seq + 1);
         self.write_superblock(|sb| {
@@ -155,7 +164,7 @@ impl Inner {
                             None => match self.fast.read(dev, BLOCK as usize).await {
                                 Ok(d) => buf.extend_from_slice(&d),
                                 Err(e) => {
-                                    self.fail(&e);
+                                    self.fail_and_mark(&e).await;
                                     return Err(e);
                                 }
                             },
@@ -170,25 +179,33 @@ impl Inner {
         Ok(())
     }
 
+    /// [`destage_epoch`](Self::destage_epoch) on a task of its own, so that a caller who
+    /// gives up waiting (a dropped future) never leaves a destage half done with backing
+    /// writes still in flight.
+    pub(crate) async fn destage_detached(self: &Arc<Self>) -> Result<bool> {
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return self.destage_epoch().await;
+        };
+        let inner = Arc::clone(self);
+        rt.spawn(async move { inner.destage_epoch().await })
+            .await
+            .map_err(|e| Error::new(ErrorKind::Io, format!("destage task failed: {e}")))?
+    }
+
     /// Destage until every record committed before the call is gone.
-    pub(crate) async fn drain(&self) -> Result<()> {
+    pub(crate) async fn drain(self: &Arc<Self>) -> Result<()> {
         let end = self.log.lock().head;
-        self.draining.fetch_add(1, Ordering::AcqRel);
-        let r = async {
-            while self.log.lock().tail < end {
-                if !self.destage_epoch().await? {
-                    break;
-                }
+        let _urgent = Counted::new(&self.draining);
+        while self.log.lock().tail < end {
+            if !self.destage_detached().await? {
+                break;
             }
-            Ok(())
         }
-        .await;
-        self.draining.fetch_sub(1, Ordering::AcqRel);
-        r
+        Ok(())
     }
 
     /// Destage until no record covering any of blocks `lba .. lba + n` is left.
-    pub(crate) async fn drain_overlapping(&self, lba: u64, n: u64) -> Result<()> {
+    pub(crate) async fn drain_overlapping(self: &Arc<Self>, lba: u64, n: u64) -> Result<()> {
         let newest = if n > 1 << 16 {
             // A huge range: looking up every block costs more than draining.
             self.log.lock().records.back().map(|r| r.pos)
@@ -198,18 +215,29 @@ impl Inner {
         let Some(newest) = newest else {
             return Ok(());
         };
-        self.draining.fetch_add(1, Ordering::AcqRel);
-        let r = async {
-            while self.log.lock().tail <= newest {
-                if !self.destage_epoch().await? {
-                    break;
-                }
+        let _urgent = Counted::new(&self.draining);
+        while self.log.lock().tail <= newest {
+            if !self.destage_detached().await? {
+                break;
             }
-            Ok(())
         }
-        .await;
-        self.draining.fetch_sub(1, Ordering::AcqRel);
-        r
+        Ok(())
+    }
+}
+
+/// Counts one waiter in `counter` while it lives (also when its future is dropped).
+pub(crate) struct Counted<'a>(&'a AtomicU64);
+
+impl<'a> Counted<'a> {
+    pub(crate) fn new(counter: &'a AtomicU64) -> Counted<'a> {
+        counter.fetch_add(1, Ordering::AcqRel);
+        Counted(counter)
+    }
+}
+
+impl Drop for Counted<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -261,7 +289,13 @@ pub(crate) async fn background(inner: Arc<Inner>) {
         match inner.destage_epoch().await {
             Ok(true) => backoff = Duration::from_millis(10),
             Ok(false) => {
+                // Nothing to destage (whoever asked for urgency has what it needs, or
+                // will find out): wait to be woken rather than spin.
                 flushing = false;
+                tokio::select! {
+                    _ = &mut notified => {}
+                    _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+                }
                 continue;
             }
             Err(e) => {

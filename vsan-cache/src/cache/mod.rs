@@ -117,6 +117,10 @@ pub(crate) struct Inner {
     destage_error: Mutex<Option<Error>>,
     mode: AtomicU32,
     failed: AtomicBool,
+    /// Makes `fail` run once, start to end.
+    fail_lock: Mutex<()>,
+    /// The superblock was (or is being) marked failed.
+    marked: AtomicBool,
     lost_blocks: AtomicU64,
     loss_count: AtomicU64,
     closed: AtomicBool,
@@ -207,6 +211,21 @@ fn random_u64() -> u64 {
     h.finish()
 }
 
+/// The superblock copies and the log must not share a block of the fast device (their
+/// writers do not order against each other), so its blocks may be at most 4096 bytes.
+fn check_fast_block(fast: &FastDevice) -> Result<()> {
+    if fast.block_size() > CACHE_BLOCK {
+        return Err(Error::new(
+            ErrorKind::InvalidArgument,
+            format!(
+                "a cache device with {}-byte blocks is not supported (at most {CACHE_BLOCK})",
+                fast.block_size()
+            ),
+        ));
+    }
+    Ok(())
+}
+
 fn corrupt(what: impl std::fmt::Display) -> Error {
     Error::new(ErrorKind::Corrupt, what.to_string())
 }
@@ -234,6 +253,7 @@ impl WriteBackCache {
                 ),
             ));
         }
+        check_fast_block(fast)?;
         let log_len = fast.len().saturating_sub(LOG_START) / format::LOG_ALIGN * format::LOG_ALIGN;
         format::check_log_len(log_len).map_err(|e| {
             Error::new(
@@ -258,6 +278,7 @@ impl WriteBackCache {
             head: 0,
             next_seq: tail_seq,
             clean_shutdown: true,
+            failed: false,
             mode,
         };
         sb.check()
@@ -292,8 +313,25 @@ impl WriteBackCache {
     ) -> Result<WriteBackCache> {
         cfg.check()
             .map_err(|e| Error::new(ErrorKind::InvalidArgument, format!("cache settings: {e}")))?;
+        check_fast_block(&fast)?;
         let sb = Self::inspect(&fast).await?;
+        if sb.failed {
+            return Err(corrupt(
+                "the cache device failed while in use: its log is stale (newer writes went to \
+                 the backing store since) and is not replayed; format it again to use it",
+            ));
+        }
         let g = backing.geometry();
+        if g.max_io() < CACHE_BLOCK {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                format!(
+                    "a backing store whose largest request ({} bytes) is under {CACHE_BLOCK} \
+                     cannot be cached",
+                    g.max_io()
+                ),
+            ));
+        }
         if sb.backing_size != g.size() || sb.backing_block_size != g.block_size() {
             return Err(Error::new(
                 ErrorKind::InvalidArgument,
@@ -422,6 +460,8 @@ impl WriteBackCache {
             destage_error: Mutex::new(None),
             mode: AtomicU32::new(mode.to_u32()),
             failed: AtomicBool::new(false),
+            fail_lock: Mutex::new(()),
+            marked: AtomicBool::new(false),
             lost_blocks: AtomicU64::new(0),
             loss_count: AtomicU64::new(0),
             closed: AtomicBool::new(false),
@@ -432,6 +472,14 @@ impl WriteBackCache {
             stats: Stats::default(),
             recovery: recovery.clone(),
         });
+        if !recovery.clean {
+            // Records past the head were never acknowledged, but some may be whole (a
+            // batch persists as a unit, and a torn first record hides the rest). New
+            // records will reuse their positions and sequence numbers, so one left whole
+            // behind a new record of the same length would pass the next scan. Zero the
+            // free part of the log before anything is appended.
+            inner.zero_free_log().await?;
+        }
         // From here a crash must scan: the superblock says "not clean" before any write.
         inner
             .write_superblock(|sb| {
@@ -493,6 +541,13 @@ impl WriteBackCache {
         }
         let old = self.inner.mode();
         self.inner.mode.store(mode.to_u32(), Ordering::Release);
+        if self.inner.failed.load(Ordering::Acquire) {
+            // A failure raced the switch: pass-through stays.
+            self.inner
+                .mode
+                .store(CacheMode::PassThrough.to_u32(), Ordering::Release);
+            return Err(Error::new(ErrorKind::Io, "the cache device failed"));
+        }
         self.inner.write_superblock(|sb| sb.mode = mode).await?;
         if old != mode {
             info!(from = ?old, to = ?mode, "cache mode changed");
@@ -513,7 +568,7 @@ impl WriteBackCache {
     /// Destage one epoch now; `false` when there was nothing to destage.
     pub async fn destage(&self) -> Result<bool> {
         self.inner.check_open()?;
-        self.inner.destage_epoch().await
+        self.inner.destage_detached().await
     }
 
     /// Destage until the log is empty (records appended meanwhile included).
@@ -526,10 +581,14 @@ impl WriteBackCache {
     /// mark the superblock clean. Every later operation fails with `ErrorKind::Closed`.
     /// A failed cache just stops.
     pub async fn close(&self) -> Result<()> {
-        self.inner.check_open()?;
         // New operations fail from here; appends already queued are let finish, so none
-        // lands after the clean superblock (the next open would not look for it).
-        self.inner.closed.store(true, Ordering::Release);
+        // lands after the clean superblock (the next open would not look for it). Set under
+        // the commit lock, which `append` checks it under.
+        {
+            let _q = self.inner.commit.lock();
+            self.inner.check_open()?;
+            self.inner.closed.store(true, Ordering::Release);
+        }
         self.inner.shutdown.store(true, Ordering::Release);
         self.inner.wake.notify_one();
         let task = self.task.lock().take();
@@ -662,7 +721,7 @@ impl Inner {
     /// Write the superblock with `edit` applied (and the next seq), then persist it. A
     /// failure of the cache device fails the cache.
     async fn write_superblock(&self, edit: impl FnOnce(&mut Superblock)) -> Result<()> {
-        let _w = self.sb_write.lock().await;
+        let w = self.sb_write.lock().await;
         let sb = {
             let mut sb = self.sb.lock().clone();
             edit(&mut sb);
@@ -681,38 +740,58 @@ impl Inner {
                 Ok(())
             }
             Err(e) => {
-                self.fail(&e);
+                drop(w);
+                self.fail_and_mark(&e).await;
                 Err(e)
             }
         }
     }
 
+    /// [`fail`](Self::fail), then [`mark_failed`](Self::mark_failed) (once).
+    pub(crate) async fn fail_and_mark(&self, e: &Error) {
+        let first = !self.failed.load(Ordering::Acquire);
+        self.fail(e);
+        if first && !self.marked.swap(true, Ordering::AcqRel) {
+            self.mark_failed().await;
+        }
+    }
+
     /// The cache device failed: from now on everything goes to the backing store.
+    ///
+    /// What is lost is counted (and `loss_count` bumped) *before* `failed` is set, so a
+    /// reader that sees `failed` can serve the backing store under `ServeBacking`.
     fn fail(&self, e: &Error) {
-        if self.failed.swap(true, Ordering::AcqRel) {
+        let _once = self.fail_lock.lock();
+        if self.failed.load(Ordering::Acquire) {
             return;
         }
-        let dirty = {
+        // Records whose data the backing store lacks: not destaged (the destager marks
+        // an epoch clean once the backing store is flushed) and not write-through.
+        let dirty: std::collections::HashSet<u64> = {
             let mut log = self.log.lock();
             let dirty = log
                 .records
                 .iter()
-                .any(|r| !r.clean && r.kind != RecKind::Marker);
+                .filter(|r| !r.clean && r.kind != RecKind::Marker)
+                .map(|r| r.pos)
+                .collect();
             log.records.clear();
             dirty
         };
-        let lost = if dirty { self.index.len() } else { 0 };
+        // Only blocks whose newest record is dirty are lost.
+        self.index.retain(|slot| dirty.contains(&slot.rec));
+        let lost = self.index.len();
         self.lost_blocks.store(lost, Ordering::Release);
-        self.mode
-            .store(CacheMode::PassThrough.to_u32(), Ordering::Release);
-        if dirty {
-            // Counted before any read can see the backing store's older data.
+        if lost > 0 {
             self.loss_count.fetch_add(1, Ordering::AcqRel);
         }
-        if !dirty || self.cfg.data_loss == DataLoss::ServeBacking {
+        self.mode
+            .store(CacheMode::PassThrough.to_u32(), Ordering::Release);
+        self.failed.store(true, Ordering::Release);
+        if lost == 0 || self.cfg.data_loss == DataLoss::ServeBacking {
             self.index.clear();
         }
-        if dirty {
+        if lost > 0 {
             error!(
                 lost_blocks = lost,
                 "cache device failed ({e}): {lost} blocks of acknowledged data were only on it \
@@ -723,6 +802,56 @@ impl Inner {
         }
         self.space.notify_waiters();
         self.wake.notify_one();
+    }
+
+    /// Best effort after a failure: mark the superblock failed, so the stale log is never
+    /// replayed over the writes the backing store takes from now on.
+    async fn mark_failed(&self) {
+        let _w = self.sb_write.lock().await;
+        let mut sb = self.sb.lock().clone();
+        sb.failed = true;
+        sb.clean_shutdown = false;
+        sb.seq += 1;
+        let off = format::superblock_offset(sb.seq);
+        let r = async {
+            self.fast.write(off, &sb.encode()).await?;
+            self.fast.persist(off, SUPERBLOCK_LEN as u64).await
+        }
+        .await;
+        match r {
+            Ok(()) => {
+                *self.sb.lock() = sb;
+                info!("cache superblock marked failed: the device must be formatted again");
+            }
+            Err(e) => warn!(
+                "could not mark the failed cache device's superblock ({e}): format it before \
+                 using it again"
+            ),
+        }
+    }
+
+    /// Zero the log from the head to where the tail wraps round (`tail + log_len`), and
+    /// persist it.
+    async fn zero_free_log(&self) -> Result<()> {
+        let (head, end) = {
+            let log = self.log.lock();
+            (log.head, log.tail + self.log_len)
+        };
+        const CHUNK: u64 = 1 << 20;
+        let zeros = vec![0u8; CHUNK as usize];
+        let mut pos = head;
+        while pos < end {
+            let off = pos % self.log_len;
+            let n = (end - pos).min(self.log_len - off).min(CHUNK);
+            self.fast
+                .write(LOG_START + off, &zeros[..n as usize])
+                .await?;
+            pos += n;
+        }
+        if end > head {
+            self.fast.persist(LOG_START, self.log_len).await?;
+        }
+        Ok(())
     }
 
     async fn read(&self, offset: u64, len: usize) -> Result<Bytes> {
@@ -748,6 +877,13 @@ impl Inner {
                         Some((f, c)) if *f + *c == b => *c += 1,
                         _ => misses.push((b, 1)),
                     },
+                    // The entry is a lost block: the loss is counted already (see `fail`).
+                    Some(_) if failed && self.cfg.data_loss == DataLoss::ServeBacking => {
+                        match misses.last_mut() {
+                            Some((f, c)) if *f + *c == b => *c += 1,
+                            _ => misses.push((b, 1)),
+                        }
+                    }
                     Some(_) if failed => {
                         return Err(Error::new(
                             ErrorKind::Io,
@@ -789,7 +925,7 @@ impl Inner {
                 {
                     Ok(d) => d,
                     Err(e) => {
-                        self.fail(&e);
+                        self.fail_and_mark(&e).await;
                         return Box::pin(self.read(offset, len)).await;
                     }
                 };
@@ -922,7 +1058,7 @@ impl Inner {
     /// A write to the backing store only, after destaging every record it overlaps (so no
     /// older cached data can later land on top of it).
     async fn write_direct(
-        &self,
+        self: &Arc<Self>,
         offset: u64,
         payload: Payload,
         len: u64,
@@ -958,7 +1094,7 @@ impl Inner {
         Ok(())
     }
 
-    async fn close(&self) -> Result<()> {
+    async fn close(self: &Arc<Self>) -> Result<()> {
         self.drain().await?;
         self.backing.flush().await?;
         let (tail, seq) = {

@@ -12,7 +12,10 @@ pub const FORMAT_VERSION: u32 = 1;
 /// Superblock flag bit 0: the cache shut down cleanly, `head` and `next_seq` are valid and
 /// start-up needs no scan.
 pub const FLAG_CLEAN_SHUTDOWN: u32 = 1 << 0;
-const KNOWN_FLAGS: u32 = FLAG_CLEAN_SHUTDOWN;
+/// Superblock flag bit 1: the cache device failed while in use; its log is stale (writes
+/// went to the backing store since) and must not be replayed.
+pub const FLAG_FAILED: u32 = 1 << 1;
+const KNOWN_FLAGS: u32 = FLAG_CLEAN_SHUTDOWN | FLAG_FAILED;
 /// The smallest backing block size accepted.
 const MIN_BACKING_BLOCK: u32 = 512;
 
@@ -100,6 +103,8 @@ pub struct Superblock {
     pub next_seq: u64,
     /// The cache shut down cleanly: `head` and `next_seq` are valid, no scan needed.
     pub clean_shutdown: bool,
+    /// The cache device failed while in use: the log is stale, format the device again.
+    pub failed: bool,
     /// The mode the cache runs in.
     pub mode: CacheMode,
 }
@@ -109,11 +114,14 @@ impl Superblock {
     /// the crc32 of everything before it in the last four bytes.
     pub fn encode(&self) -> [u8; SUPERBLOCK_LEN] {
         let mut b = [0u8; SUPERBLOCK_LEN];
-        let flags = if self.clean_shutdown {
+        let mut flags = if self.clean_shutdown {
             FLAG_CLEAN_SHUTDOWN
         } else {
             0
         };
+        if self.failed {
+            flags |= FLAG_FAILED;
+        }
         put(&mut b, 0, &SUPERBLOCK_MAGIC);
         put(&mut b, AT_VERSION, &FORMAT_VERSION.to_le_bytes());
         put(&mut b, AT_FLAGS, &flags.to_le_bytes());
@@ -180,6 +188,7 @@ impl Superblock {
             head: le_u64(b, AT_HEAD),
             next_seq: le_u64(b, AT_NEXT_SEQ),
             clean_shutdown: flags & FLAG_CLEAN_SHUTDOWN != 0,
+            failed: flags & FLAG_FAILED != 0,
             mode: CacheMode::from_u32(le_u32(b, AT_MODE))?,
         };
         sb.check()?;
@@ -297,6 +306,7 @@ mod tests {
             head: 3 * (1 << 20) + 640 + 8192,
             next_seq: 1003,
             clean_shutdown: true,
+            failed: false,
             mode: CacheMode::WriteBack,
         }
     }
