@@ -174,8 +174,10 @@ pub(crate) struct Inner {
 /// [`close`](Self::close) destages everything and writes a clean superblock, so the next
 /// open scans nothing. After a crash, open scans from the tail and stops at the first
 /// record whose header crc, seq or data crc does not fit; every record before it is
-/// replayed into the index. Format starts the sequence numbers at a random value, so the
-/// records of an earlier format of the same device are never mistaken for new ones.
+/// replayed into the index, and the rest of the log is zeroed before anything is appended
+/// (a whole but never acknowledged record behind a torn one could otherwise be taken for a
+/// new one later). Format starts the sequence numbers at a random value, so the records
+/// of an earlier format of the same device are never mistaken for new ones.
 ///
 /// # Cache device failure
 /// An error from the fast device switches the cache to pass-through for good (until it
@@ -184,6 +186,9 @@ pub(crate) struct Inner {
 /// fail or return the backing store's older data as [`CacheConfig::data_loss`] says (the
 /// latter counted in [`data_loss_count`](Self::data_loss_count), which a mirror watches).
 /// The write that hit the error is written to the backing store instead and succeeds.
+/// The cache also marks its superblock failed (if the device still takes that write), and
+/// [`open`](Self::open) refuses such a device: its log is stale, and replaying it would
+/// roll back writes the backing store took since. Format it again to use it.
 pub struct WriteBackCache {
     inner: Arc<Inner>,
     task: Mutex<Option<tokio::task::JoinHandle<()>>>,
