@@ -9,22 +9,14 @@ use vsan_core::{
     PowerCut,
 };
 
-const BS: usize = 4096;
+mod common;
 
-fn mem(size: u64) -> Arc<MemDevice> {
-    Arc::new(MemDevice::new(Geometry::new(size, 512).unwrap()))
-}
+use common::{cache_over, mem, quiet};
+
+const BS: usize = 4096;
 
 fn block(v: u8) -> Bytes {
     Bytes::from(vec![v; BS])
-}
-
-fn quiet() -> CacheConfig {
-    CacheConfig {
-        background: false,
-        sequential_cutoff: 0,
-        ..CacheConfig::default()
-    }
 }
 
 async fn fresh(
@@ -32,18 +24,8 @@ async fn fresh(
     backing_len: u64,
     cfg: CacheConfig,
 ) -> (Arc<MemDevice>, Arc<MemDevice>, WriteBackCache) {
-    let fast = mem(fast_len);
     let backing = mem(backing_len);
-    WriteBackCache::format(
-        &FastDevice::block(fast.clone()),
-        backing.as_ref(),
-        CacheMode::WriteBack,
-    )
-    .await
-    .unwrap();
-    let c = WriteBackCache::open(FastDevice::block(fast.clone()), backing.clone(), cfg)
-        .await
-        .unwrap();
+    let (fast, c) = cache_over(fast_len, &backing, cfg).await;
     (fast, backing, c)
 }
 

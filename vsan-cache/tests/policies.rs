@@ -2,18 +2,17 @@
 //! data right), watermarks (dirty level held between them), and run-time mode switches
 //! (data right across every switch, writes landing where the mode says).
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use vsan_cache::{CacheConfig, CacheMode, FastDevice, WriteBackCache};
-use vsan_core::{BlockDevice, Geometry, IoFlags, MemDevice};
+use vsan_core::{BlockDevice, IoFlags};
+
+mod common;
+
+use common::{cache_over, mem};
 
 const BS: u64 = 4096;
-
-fn mem(size: u64) -> Arc<MemDevice> {
-    Arc::new(MemDevice::new(Geometry::new(size, 512).unwrap()))
-}
 
 /// Block `b` as written by write number `w`.
 fn pattern(w: u64, b: u64, n: u64) -> Bytes {
@@ -25,25 +24,6 @@ fn pattern(w: u64, b: u64, n: u64) -> Bytes {
         }
     }
     Bytes::from(v)
-}
-
-async fn cache(
-    fast_len: u64,
-    backing: &Arc<MemDevice>,
-    cfg: CacheConfig,
-) -> (Arc<MemDevice>, WriteBackCache) {
-    let fast = mem(fast_len);
-    WriteBackCache::format(
-        &FastDevice::block(fast.clone()),
-        backing.as_ref(),
-        CacheMode::WriteBack,
-    )
-    .await
-    .unwrap();
-    let c = WriteBackCache::open(FastDevice::block(fast.clone()), backing.clone(), cfg)
-        .await
-        .unwrap();
-    (fast, c)
 }
 
 /// A model of the disk: block -> contents.
@@ -80,7 +60,7 @@ async fn sequential_cutoff_bypasses_long_runs_and_keeps_data_right() {
         sequential_cutoff: 1 << 20,
         ..CacheConfig::default()
     };
-    let (_fast, c) = cache(8 << 20, &backing, cfg).await;
+    let (_fast, c) = cache_over(8 << 20, &backing, cfg).await;
     let mut model = Model::new(size);
     // A cached block in the middle of the coming run: the run must win over it.
     let d = pattern(1, 100, 1);
@@ -139,7 +119,7 @@ async fn sequential_cutoff_off_caches_everything() {
         sequential_cutoff: 0,
         ..CacheConfig::default()
     };
-    let (_fast, c) = cache(8 << 20, &backing, cfg).await;
+    let (_fast, c) = cache_over(8 << 20, &backing, cfg).await;
     for b in (0..512).step_by(16) {
         c.write(b * BS, pattern(b, b, 16), IoFlags::empty())
             .await
@@ -162,7 +142,7 @@ async fn watermarks_hold_the_dirty_level() {
         min_destage_rate: 8 << 20,
         ..CacheConfig::default()
     };
-    let (_fast, c) = cache(log + 8192, &backing, cfg).await;
+    let (_fast, c) = cache_over(log + 8192, &backing, cfg).await;
     let log = c.log_len();
     let rec = BS + 64;
     let mut next = 0u64;

@@ -727,23 +727,8 @@ impl Inner {
     /// failure of the cache device fails the cache.
     async fn write_superblock(&self, edit: impl FnOnce(&mut Superblock)) -> Result<()> {
         let w = self.sb_write.lock().await;
-        let sb = {
-            let mut sb = self.sb.lock().clone();
-            edit(&mut sb);
-            sb.seq += 1;
-            sb
-        };
-        let off = format::superblock_offset(sb.seq);
-        let r = async {
-            self.fast.write(off, &sb.encode()).await?;
-            self.fast.persist(off, SUPERBLOCK_LEN as u64).await
-        }
-        .await;
-        match r {
-            Ok(()) => {
-                *self.sb.lock() = sb;
-                Ok(())
-            }
+        match self.store_superblock(edit).await {
+            Ok(()) => Ok(()),
             Err(e) => {
                 drop(w);
                 self.fail_and_mark(&e).await;
@@ -759,6 +744,19 @@ impl Inner {
         if first && !self.marked.swap(true, Ordering::AcqRel) {
             self.mark_failed().await;
         }
+    }
+
+    /// Write the superblock with `edit` applied and the next seq, persist it, and keep it
+    /// as the current one. The caller holds `sb_write`.
+    async fn store_superblock(&self, edit: impl FnOnce(&mut Superblock)) -> Result<()> {
+        let mut sb = self.sb.lock().clone();
+        edit(&mut sb);
+        sb.seq += 1;
+        let off = format::superblock_offset(sb.seq);
+        self.fast.write(off, &sb.encode()).await?;
+        self.fast.persist(off, SUPERBLOCK_LEN as u64).await?;
+        *self.sb.lock() = sb;
+        Ok(())
     }
 
     /// The cache device failed: from now on everything goes to the backing store.
@@ -813,19 +811,14 @@ impl Inner {
     /// replayed over the writes the backing store takes from now on.
     async fn mark_failed(&self) {
         let _w = self.sb_write.lock().await;
-        let mut sb = self.sb.lock().clone();
-        sb.failed = true;
-        sb.clean_shutdown = false;
-        sb.seq += 1;
-        let off = format::superblock_offset(sb.seq);
-        let r = async {
-            self.fast.write(off, &sb.encode()).await?;
-            self.fast.persist(off, SUPERBLOCK_LEN as u64).await
-        }
-        .await;
-        match r {
+        let marked = self
+            .store_superblock(|sb| {
+                sb.failed = true;
+                sb.clean_shutdown = false;
+            })
+            .await;
+        match marked {
             Ok(()) => {
-                *self.sb.lock() = sb;
                 info!("cache superblock marked failed: the device must be formatted again");
             }
             Err(e) => warn!(
