@@ -140,6 +140,18 @@ impl FastDevice {
         }
     }
 
+    /// Whether appends complete on the caller's thread with nothing left in flight: a
+    /// mapped file whose persist is an inline `msync` (tmpfs).
+    pub(crate) fn appends_inline(&self) -> bool {
+        matches!(
+            self.kind,
+            Kind::Mapped {
+                inline_persist: true,
+                ..
+            }
+        )
+    }
+
     /// Whether this is a mapped file (reads and appends are memory copies).
     pub fn is_mapped(&self) -> bool {
         matches!(self.kind, Kind::Mapped { .. })

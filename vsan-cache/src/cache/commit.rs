@@ -120,12 +120,14 @@ impl Inner {
         };
         if commit {
             match tokio::runtime::Handle::try_current() {
-                // On a block device, appends are device writes that go on after a dropped
-                // future; committing on a task of its own means no commit is ever left
-                // half done (a later commit could otherwise be overwritten by it). On a
-                // mapped device an append is a memory copy with no I/O left behind, and
-                // committing here saves a hand-off to another thread.
-                Ok(rt) if !self.fast.is_mapped() => {
+                // Where an append leaves I/O in flight (device writes on a block device,
+                // an fdatasync on the blocking pool), a dropped future must not abandon a
+                // commit half done: records it wrote could surface behind the records of
+                // the next commit, which reuses their positions and sequence numbers. So
+                // such commits run on a task of their own. On tmpfs an append is a memory
+                // copy and an inline msync, with nothing left behind, and committing here
+                // saves a hand-off to another thread.
+                Ok(rt) if !self.fast.appends_inline() => {
                     let inner = Arc::clone(self);
                     rt.spawn(async move { inner.run_commits_on().await });
                 }
