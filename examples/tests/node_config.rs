@@ -505,3 +505,48 @@ fn a_cache_holding_writes_of_a_vanished_image_is_refused() {
     );
     assert!(!image.exists(), "the refused start created an image");
 }
+
+/// A cache whose device failed while in use is marked so on the device; the node then
+/// refuses it (exit 1, file untouched) instead of replaying its stale log over the image.
+#[test]
+fn a_cache_marked_failed_is_refused_and_left_alone() {
+    use std::os::unix::fs::FileExt;
+    let dir = TestDir::new("cfg-cache-failed");
+    let config = node_section(&dir)
+        + &disk_section("vol0", "\"8MiB\"", "127.0.0.1:0")
+        + &cache_section(&format!(
+            "path = {}\nsize = \"1MiB\"",
+            common::toml_str(cache_file(&dir))
+        ));
+    let node = Node::start(&dir, &config, &["vol0"]);
+    node.stop_clean(Sig::TERM);
+    // What a failing cache writes, best effort: its superblock with the failed flag.
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(cache_file(&dir))
+        .expect("open the cache file");
+    let mut head = vec![0u8; vsan_cache::format::LOG_START as usize];
+    file.read_exact_at(&mut head, 0)
+        .expect("read the superblocks");
+    let (c0, c1) = head.split_at(vsan_cache::format::SUPERBLOCK_LEN);
+    let sb = vsan_cache::format::pick(c0, c1).expect("a formatted cache");
+    let sb = vsan_cache::format::Superblock {
+        failed: true,
+        clean_shutdown: false,
+        seq: sb.seq + 1,
+        ..sb
+    };
+    file.write_all_at(&sb.encode(), vsan_cache::format::superblock_offset(sb.seq))
+        .expect("mark the cache failed");
+    drop(file);
+    let before = std::fs::read(cache_file(&dir)).expect("read the cache file");
+    let out = run_node_to_exit(&dir, &config);
+    assert_eq!(out.status.code(), Some(1), "{out}");
+    assert!(
+        out.stderr.contains("failed while in use") && out.stderr.contains("format it again"),
+        "{out}"
+    );
+    let after = std::fs::read(cache_file(&dir)).expect("read the cache file");
+    assert_same_bytes(&after, &before, "the failed cache after a refused start");
+}
