@@ -249,9 +249,9 @@ impl MirroredDisk {
         let name: Arc<str> = cfg.disk_name.as_str().into();
         let (commands, rx) = mpsc::unbounded_channel();
         let endpoint = Endpoint::new(cfg, replica.loaded, Instant::now());
-        // Losses before the mirror started are not this driver's to see: whoever
-        // opened the replica deals with them.
-        let data_loss_base = local.data_loss_count();
+        // A replica that lost data before the mirror started is no more trusted than one
+        // that loses it later: the first turn sees the count above 0 and resyncs it.
+        let data_loss_base = 0;
         let (status_tx, status) = watch::channel(status_of(&endpoint, false, false, None, None, 0));
         let progress = Arc::new(parking_lot::Mutex::new(None));
         let (quorum_tx, quorum_rx) = mpsc::unbounded_channel();

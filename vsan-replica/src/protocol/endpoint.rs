@@ -2106,12 +2106,13 @@ impl Endpoint {
     /// read older data, with no error, and nothing says which, so none of it is trusted
     /// until a resync has compared it with the peer's:
     ///
-    /// - connected, no resync or verify running: this replica becomes the target of a
-    ///   full checksum resync from the peer at once, on the same link
-    ///   ([`Message::SyncRequest`]); reads of chunks not synced yet go to the peer,
+    /// - connected, no resync running (a verify this node runs is aborted): this replica
+    ///   becomes the target of a full checksum resync from the peer at once, on the same
+    ///   link ([`Message::SyncRequest`]); reads of chunks not synced yet go to the peer,
     ///   writes go on mirrored, the caller sees no error;
-    /// - connected while a resync or verify runs (it cannot be restarted on this link):
-    ///   the run is aborted and the replica detached; I/O goes through the peer;
+    /// - connected while a resync, or the peer's verify, runs (it cannot be restarted on
+    ///   this link): the run is aborted and the replica detached; I/O goes through the
+    ///   peer;
     /// - not connected: I/O fails until the peer is back (nothing here can be trusted
     ///   and there is no other copy); the next connection makes this replica the
     ///   target of a full checksum resync;
@@ -2142,8 +2143,17 @@ impl Endpoint {
             .extend(0..self.meta.layout.bitmap_blocks());
         self.meta_touch();
         let peer = self.cfg.peer_id;
-        let action = match (self.state, self.sync.as_ref().map(|s| s.kind)) {
-            (LinkState::Connected, None) => {
+        let running = self.sync.as_ref().map(|s| (s.kind, s.role));
+        let action = match (self.state, running.map(|(k, _)| k)) {
+            // A verify this node runs is only a comparison: the peer has no run of its own,
+            // so the verify gives way to the resync this replica needs now (replies of
+            // the verify still on the wire are told apart by their verify flag).
+            (LinkState::Connected, None | Some(SyncKind::Verify))
+                if matches!(running, None | Some((SyncKind::Verify, SyncRole::Source))) =>
+            {
+                if running.is_some() {
+                    self.abort_sync(now, "the local replica lost data; a resync replaces it");
+                }
                 self.send(now, Message::SyncRequest);
                 self.start_sync(now, SyncRole::Target, true);
                 format!(

@@ -171,6 +171,16 @@ fn resume(target: &Side, source: &Side) -> Decision {
     if s.history.contains(&t.current) {
         return Decision::Target { full: true };
     }
+    // The operator gave up this replica's data: any shared history lets it take the
+    // peer's in full.
+    let shared = |g: &u64| *g != 0 && (*g == s.current || *g == s.bitmap || s.history.contains(g));
+    if target.discard_my_data
+        && [t.current, t.bitmap, t.history[0], t.history[1]]
+            .iter()
+            .any(shared)
+    {
+        return Decision::Target { full: true };
+    }
     Decision::Refuse(format!(
         "node {} is an unfinished sync target and node {} does not hold the data it was \
          syncing from (generation {:016x})",

@@ -19,6 +19,8 @@ mod ranges;
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod review_tests;
 
 pub use endpoint::{
     Config, Endpoint, Event, LinkState, LocalIo, LocalOpId, LocalResult, QuorumPolicy, RequestId,

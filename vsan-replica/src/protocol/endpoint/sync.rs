@@ -162,6 +162,9 @@ pub(in crate::protocol) struct SyncRun {
     pending_clear: HashSet<u64>,
     checkpoint: Option<(u64, Vec<u64>)>,
     next_checkpoint: u64,
+    /// The first checkpoint id of this run: acks of lower ids belong to a run this one
+    /// replaced on the same link, and are ignored.
+    first_checkpoint: u64,
     last_checkpoint: Instant,
     total_bytes: u64,
     done_bytes: u64,
@@ -186,6 +189,7 @@ impl SyncRun {
             pending_clear: HashSet::new(),
             checkpoint: None,
             next_checkpoint: 1,
+            first_checkpoint: 1,
             last_checkpoint: now,
             total_bytes: 0,
             done_bytes: 0,
@@ -558,6 +562,10 @@ impl Endpoint {
             }
             Message::SyncCheckpointAck { id, status } => {
                 let Some(s) = self.sync.as_mut() else { return };
+                if id < s.first_checkpoint {
+                    // The ack of a checkpoint of the run this one replaced.
+                    return;
+                }
                 let Some((cp, chunks)) = s.checkpoint.take() else {
                     return;
                 };
@@ -656,8 +664,10 @@ impl Endpoint {
         );
         self.start_sync(now, SyncRole::Source, true);
         if let (Some(id), Some(s)) = (next_checkpoint, self.sync.as_mut()) {
-            // An ack for a checkpoint of the aborted run may still come.
+            // Acks for checkpoints of the aborted run may still come: they are told
+            // apart by id.
             s.next_checkpoint = id;
+            s.first_checkpoint = id;
         }
     }
 
@@ -690,6 +700,12 @@ impl Endpoint {
                 }
             }
             ApplyKind::SyncRead { offset, len, mode } => {
+                if suspect {
+                    // Issued before this replica lost data: what it read is not sent. A
+                    // loss ends every run this node is the source of (it detaches, or
+                    // its verify gives way to a resync it is the target of).
+                    return;
+                }
                 let Some(chunk) = self.chunk_of(offset) else {
                     return;
                 };
