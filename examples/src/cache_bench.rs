@@ -21,6 +21,11 @@
 //!    and one far larger than it, where destage throughput limits it.
 //! 3. **4 KiB random reads on one thread** (a current-thread runtime): cache hits,
 //!    cache misses (served by the backing file's page cache), and the backing file alone.
+//! 4. **QD1 4 KiB write latency while destaging** (e), on two small logs over the same
+//!    backing file: a write due every 400 us (slower than the paced destager drains),
+//!    measured with the log below the low watermark (no destage), while the paced
+//!    destager takes it from just under the high watermark towards the low one, and the
+//!    same with pacing off (`min_destage_rate` huge: full speed), alternating in rounds.
 
 use std::fs::File;
 use std::io::Write;
@@ -238,12 +243,19 @@ fn cache_config() -> CacheConfig {
 
 /// Format the fast device file at `path` and open a cache on it over `backing`.
 async fn open_cache(path: &Path, backing: &FileDevice) -> Result<Arc<WriteBackCache>, BoxError> {
+    open_cache_with(path, backing, cache_config()).await
+}
+
+/// [`open_cache`] with settings of its own.
+async fn open_cache_with(
+    path: &Path,
+    backing: &FileDevice,
+    cfg: CacheConfig,
+) -> Result<Arc<WriteBackCache>, BoxError> {
     let fast = FastDevice::map_file(path, None)?;
     WriteBackCache::format(&fast, backing, CacheMode::WriteBack).await?;
     let backing: Arc<dyn BlockDevice> = Arc::new(backing.clone());
-    Ok(Arc::new(
-        WriteBackCache::open(fast, backing, cache_config()).await?,
-    ))
+    Ok(Arc::new(WriteBackCache::open(fast, backing, cfg).await?))
 }
 
 /// QD1 writes of 4 KiB at random blocks of `blocks`; latency in ns. Stops after `count`
@@ -428,11 +440,13 @@ pub fn run(o: Opts) -> Result<(), BoxError> {
     let fast_path = o.shm_dir.join(format!("vsan-bench-cache-{pid}.img"));
     let small_path = o.shm_dir.join(format!("vsan-bench-cache-small-{pid}.img"));
     let mapped_path = o.shm_dir.join(format!("vsan-bench-mapped-{pid}.img"));
+    let full_path = o.shm_dir.join(format!("vsan-bench-cache-full-{pid}.img"));
     let _files = Files(vec![
         backing_path.clone(),
         fast_path.clone(),
         small_path.clone(),
         mapped_path.clone(),
+        full_path.clone(),
     ]);
     let size = o.backing_mib * MIB;
     println!(
@@ -445,6 +459,7 @@ pub fn run(o: Opts) -> Result<(), BoxError> {
     fill(&fast_path, o.cache_mib * MIB)?;
     fill(&small_path, o.small_cache_mib * MIB)?;
     fill(&mapped_path, o.cache_mib * MIB)?;
+    fill(&full_path, o.small_cache_mib * MIB)?;
     let backing = FileOptions::new().open(&backing_path)?;
 
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -501,6 +516,8 @@ pub fn run(o: Opts) -> Result<(), BoxError> {
         stats.read_misses
     );
     drop(cache);
+
+    rt.block_on(destage_latency(&o, &backing, &small_path, &full_path))?;
     drop(rt);
     Ok(())
 }
@@ -692,5 +709,288 @@ async fn write_side(
             .collect::<Vec<_>>()
             .join(", ")
     );
+    Ok(())
+}
+
+/// Gap between the starts of two measured QD1 writes in (e): 2500 writes a second, about
+/// 10 MiB/s of log. The writes must come slower than the paced destager empties the
+/// log, or the log climbs back to the high watermark, where destage runs at full speed
+/// whatever the pacing.
+const E_GAP: Duration = Duration::from_micros(400);
+
+/// What one phase of (e) measured.
+struct Phase {
+    h: Histogram<u64>,
+    /// Measured stretches, and their seconds together.
+    stretches: u32,
+    secs: f64,
+    /// Destage epochs completed, and log bytes destaged, during the stretches.
+    epochs: u64,
+    destaged: u64,
+    /// Lowest and highest occupancy seen before a measured write.
+    occ: (f64, f64),
+    /// Measured writes issued with the log at or above the high watermark.
+    above_high: u64,
+}
+
+impl Phase {
+    fn new() -> Result<Phase, BoxError> {
+        Ok(Phase {
+            h: hist()?,
+            stretches: 0,
+            secs: 0.0,
+            epochs: 0,
+            destaged: 0,
+            occ: (f64::INFINITY, 0.0),
+            above_high: 0,
+        })
+    }
+}
+
+/// QD1 4 KiB writes at random blocks of `first..first + blocks`.
+struct Qd1 {
+    rng: SmallRng,
+    data: Vec<Bytes>,
+    i: usize,
+    first: u64,
+    blocks: u64,
+    /// When the next measured write is due.
+    next: Instant,
+}
+
+impl Qd1 {
+    fn new((first, blocks): (u64, u64), seed: u64) -> Qd1 {
+        Qd1 {
+            rng: SmallRng::seed_from_u64(seed),
+            data: (0..16).map(|i| block_data(seed ^ i)).collect(),
+            i: 0,
+            first,
+            blocks,
+            next: Instant::now(),
+        }
+    }
+
+    /// One write; its latency.
+    async fn write(&mut self, cache: &WriteBackCache) -> Result<Duration, BoxError> {
+        let off = (self.first + self.rng.random_range(0..self.blocks)) * BLOCK;
+        let d = self.data[self.i % self.data.len()].clone();
+        self.i += 1;
+        let t = Instant::now();
+        cache.write(off, d, IoFlags::empty()).await?;
+        Ok(t.elapsed())
+    }
+
+    /// One measured write, then sleep until the next is due, [`E_GAP`] after this one
+    /// was (a thread sleep: this runs on the thread of `block_on`, not on a runtime
+    /// worker, and tokio's timer is too coarse for 400 us). A sleep that overran
+    /// shortens the next; a write that starts late does not make the next one early.
+    async fn measured(
+        &mut self,
+        cache: &WriteBackCache,
+        p: &mut Phase,
+        hi: f64,
+    ) -> Result<(), BoxError> {
+        let now = Instant::now();
+        if self.next < now {
+            self.next = now;
+        }
+        std::thread::sleep(self.next - now);
+        self.next += E_GAP;
+        let occ = cache.stats().occupancy;
+        p.occ = (p.occ.0.min(occ), p.occ.1.max(occ));
+        p.above_high += u64::from(occ >= hi);
+        let t = self.write(cache).await?;
+        p.h.record(t.as_nanos() as u64)?;
+        Ok(())
+    }
+}
+
+/// Write the whole log of a freshly opened cache once (not measured; draining before
+/// the high watermark), so that no measured write pays the first touch of a page of the
+/// new mapping.
+async fn e_warm(cache: &WriteBackCache, w: &mut Qd1) -> Result<(), BoxError> {
+    let mut written = 0;
+    while written < cache.log_len() + record_len(1) {
+        if cache.stats().occupancy >= 0.5 {
+            cache.drain().await?;
+        }
+        for _ in 0..64 {
+            w.write(cache).await?;
+        }
+        written += 64 * record_len(1);
+    }
+    cache.drain().await?;
+    Ok(())
+}
+
+/// (e) idle: measured writes with the log below the low watermark `lo` (a fraction), so
+/// no destage runs, until `p` holds `until` seconds; the log is drained (not measured)
+/// whenever it gets within 3% of the watermark.
+async fn e_idle(
+    cache: &WriteBackCache,
+    w: &mut Qd1,
+    lo: f64,
+    p: &mut Phase,
+    until: f64,
+) -> Result<(), BoxError> {
+    while p.secs < until {
+        if cache.stats().occupancy >= lo - 0.03 {
+            cache.drain().await?;
+        }
+        p.stretches += 1;
+        let (s0, t0) = (cache.stats(), Instant::now());
+        while cache.stats().occupancy < lo - 0.03 && p.secs + t0.elapsed().as_secs_f64() < until {
+            w.measured(cache, p, 1.0).await?;
+        }
+        p.secs += t0.elapsed().as_secs_f64();
+        let s1 = cache.stats();
+        p.epochs += s1.destage_epochs - s0.destage_epochs;
+        p.destaged += s1.destaged_bytes - s0.destaged_bytes;
+    }
+    Ok(())
+}
+
+/// (e) destaging: push the log (not measured) just above the high watermark `hi`, wait
+/// for the full-speed epoch that starts there to take it back under, then measure while
+/// the destager takes it down to the low watermark `lo`; again until `p` holds `until`
+/// seconds.
+async fn e_destaging(
+    cache: &WriteBackCache,
+    w: &mut Qd1,
+    (lo, hi): (f64, f64),
+    p: &mut Phase,
+    until: f64,
+) -> Result<(), BoxError> {
+    while p.secs < until && p.stretches < 1000 {
+        let t = Instant::now();
+        while cache.stats().occupancy < hi + 0.01 {
+            for _ in 0..64 {
+                w.write(cache).await?;
+            }
+            if t.elapsed() > Duration::from_secs(10) {
+                return Err("(e): could not fill the log to its high watermark".into());
+            }
+        }
+        while cache.stats().occupancy >= hi {
+            if t.elapsed() > Duration::from_secs(10) {
+                return Err(
+                    "(e): the destager did not take the log under its high watermark".into(),
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        p.stretches += 1;
+        let (s0, t0) = (cache.stats(), Instant::now());
+        while cache.stats().occupancy > lo + 0.01 && p.secs + t0.elapsed().as_secs_f64() < until {
+            w.measured(cache, p, hi).await?;
+        }
+        p.secs += t0.elapsed().as_secs_f64();
+        let s1 = cache.stats();
+        p.epochs += s1.destage_epochs - s0.destage_epochs;
+        p.destaged += s1.destaged_bytes - s0.destaged_bytes;
+    }
+    Ok(())
+}
+
+/// (e): QD1 write latency on a small log, idle, while a paced destage runs, and while a
+/// destage at full speed runs. Two caches over the same backing file (disjoint working
+/// sets), one with the default pacing and one without; the three phases alternate in
+/// `o.rounds` rounds, so that load from outside lands on all of them alike.
+async fn destage_latency(
+    o: &Opts,
+    backing: &FileDevice,
+    paced_path: &Path,
+    full_path: &Path,
+) -> Result<(), BoxError> {
+    let window = o.seconds;
+    let small_log = o.small_cache_mib * MIB - LOG_START;
+    let blocks = (small_log / 4 / BLOCK).min(o.backing_mib * MIB / BLOCK / 2);
+    let cfg = cache_config();
+    let (lo, hi) = (
+        f64::from(cfg.low_watermark) / 100.0,
+        f64::from(cfg.high_watermark) / 100.0,
+    );
+    let full_cfg = CacheConfig {
+        min_destage_rate: u64::MAX / 2,
+        ..cfg.clone()
+    };
+
+    let started = Instant::now();
+    let (mut wp, mut wf) = (
+        Qd1::new((0, blocks), 0xe0),
+        Qd1::new((blocks, blocks), 0xe1),
+    );
+    let pc = open_cache_with(paced_path, backing, cfg.clone()).await?;
+    let fc = open_cache_with(full_path, backing, full_cfg).await?;
+    e_warm(&pc, &mut wp).await?;
+    e_warm(&fc, &mut wf).await?;
+    let (mut idle, mut paced, mut full) = (Phase::new()?, Phase::new()?, Phase::new()?);
+    for r in 1..=o.rounds {
+        let until = window * f64::from(r) / f64::from(o.rounds);
+        e_idle(&pc, &mut wp, lo, &mut idle, until).await?;
+        pc.drain().await?;
+        e_destaging(&pc, &mut wp, (lo, hi), &mut paced, until).await?;
+        pc.drain().await?;
+        e_destaging(&fc, &mut wf, (lo, hi), &mut full, until).await?;
+        fc.drain().await?;
+    }
+    drop(pc);
+    drop(fc);
+    let took = started.elapsed().as_secs_f64();
+
+    println!();
+    println!(
+        "(e) QD1 4 KiB random writes while destaging: {} MiB log (high {}% / low {}%, {} \
+         MiB epochs), working set {} MiB, a write due every {} us (~{:.0} MiB/s of log), \
+         {:.1} s measured per phase in {} rounds, {took:.1} s in all (us):",
+        small_log / MIB,
+        cfg.high_watermark,
+        cfg.low_watermark,
+        cfg.epoch_bytes / MIB,
+        blocks * BLOCK / MIB,
+        E_GAP.as_micros(),
+        record_len(1) as f64 / E_GAP.as_secs_f64() / MIB as f64,
+        window,
+        o.rounds
+    );
+    println!(
+        "| phase | writes | measured (s, stretches) | destage epochs | destaged (MiB/s) | \
+         occupancy | p50 | p99 | p99.9 | max |"
+    );
+    println!("|---|---:|---:|---:|---:|---|---:|---:|---:|---:|");
+    for (name, p) in [
+        ("idle: below the low watermark, no destage", &idle),
+        ("paced destage (PI controller, default settings)", &paced),
+        (
+            "full-speed destage (min_destage_rate = u64::MAX / 2)",
+            &full,
+        ),
+    ] {
+        println!(
+            "| {name} | {} | {:.2} ({}) | {} | {:.1} | {:.0}-{:.0}% | {:.2} | {:.2} | {:.2} | \
+             {:.0} |",
+            p.h.len(),
+            p.secs,
+            p.stretches,
+            p.epochs,
+            p.destaged as f64 / MIB as f64 / p.secs.max(1e-9),
+            p.occ.0 * 100.0,
+            p.occ.1 * 100.0,
+            us(&p.h, 0.5),
+            us(&p.h, 0.99),
+            us(&p.h, 0.999),
+            p.h.max() as f64 / 1000.0
+        );
+    }
+    for (name, p) in [("paced", &paced), ("full-speed", &full)] {
+        println!(
+            "(e) {name} / idle: p50 {:.2}x, p99 {:.2}x, p99.9 {:.2}x  ({} measured writes \
+             issued at or above the high watermark)",
+            us(&p.h, 0.5) / us(&idle.h, 0.5),
+            us(&p.h, 0.99) / us(&idle.h, 0.99),
+            us(&p.h, 0.999) / us(&idle.h, 0.999),
+            p.above_high
+        );
+    }
     Ok(())
 }

@@ -100,7 +100,7 @@ enum Cmd {
     },
     /// The write-back cache (fast device: a mapped file on tmpfs) against its backing
     /// file alone with durable writes: QD1 latency, the cache's software overhead, QD32
-    /// IOPS, and single-thread read IOPS.
+    /// IOPS, single-thread read IOPS, and QD1 latency while destaging (paced and not).
     Cache {
         /// Seconds of each throughput measurement (and the most a QD1 run on the backing
         /// file alone takes per round).
