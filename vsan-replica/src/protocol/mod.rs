@@ -18,9 +18,9 @@ pub mod message;
 mod ranges;
 
 #[cfg(test)]
-mod tests;
-#[cfg(test)]
 mod review_tests;
+#[cfg(test)]
+mod tests;
 
 pub use endpoint::{
     Config, Endpoint, Event, LinkState, LocalIo, LocalOpId, LocalResult, QuorumPolicy, RequestId,

@@ -14,18 +14,22 @@ const SIZE: u64 = 64 * 1024;
 const BS: u32 = 512;
 
 #[derive(Clone)]
-struct Node {
-    ep: Endpoint,
-    disk: Vec<u8>,
+pub(super) struct Node {
+    pub(super) ep: Endpoint,
+    pub(super) disk: Vec<u8>,
     /// Durable image: what survives a crash (updated by flush and FUA).
-    durable: Vec<u8>,
+    pub(super) durable: Vec<u8>,
     /// Local I/O issued but not completed, in issue order.
-    io: Vec<LocalIo>,
+    pub(super) io: Vec<LocalIo>,
     /// Messages on the wire towards this node.
-    inbox: VecDeque<Message>,
-    completed: Vec<(RequestId, Result<Option<Bytes>, ErrorKind>)>,
-    events: Vec<Event>,
-    fail_local: bool,
+    pub(super) inbox: VecDeque<Message>,
+    pub(super) completed: Vec<(RequestId, Result<Option<Bytes>, ErrorKind>)>,
+    pub(super) events: Vec<Event>,
+    pub(super) fail_local: bool,
+    /// Metadata writes wait in `io` instead of completing at once.
+    pub(super) hold_meta: bool,
+    /// Metadata writes fail.
+    pub(super) fail_meta: bool,
 }
 
 /// Metadata of a replica in sync at generation 77 (as if the pair had synced before).
@@ -64,7 +68,7 @@ impl Node {
         Node::with(cfg, 64 * 1024, 77, now)
     }
 
-    fn with(cfg: Config, chunk_size: u64, current: u64, now: Instant) -> Node {
+    pub(super) fn with(cfg: Config, chunk_size: u64, current: u64, now: Instant) -> Node {
         let size = cfg.size as usize;
         let meta = synced_meta(&cfg, chunk_size, current);
         Node {
@@ -76,22 +80,44 @@ impl Node {
             completed: Vec::new(),
             events: Vec::new(),
             fail_local: false,
+            hold_meta: false,
+            fail_meta: false,
         }
     }
 
-    fn result_of(&self, req: RequestId) -> Option<&Result<Option<Bytes>, ErrorKind>> {
+    pub(super) fn result_of(&self, req: RequestId) -> Option<&Result<Option<Bytes>, ErrorKind>> {
         self.completed
             .iter()
             .find(|(r, _)| *r == req)
             .map(|(_, res)| res)
     }
+
+    pub(super) fn sync_starts(&self) -> Vec<(SyncRole, SyncKind)> {
+        self.events
+            .iter()
+            .filter_map(|e| match e {
+                Event::SyncStarted { role, kind, .. } => Some((*role, *kind)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    pub(super) fn lost_peer(&self) -> Vec<String> {
+        self.events
+            .iter()
+            .filter_map(|e| match e {
+                Event::PeerLost { reason } => Some(reason.clone()),
+                _ => None,
+            })
+            .collect()
+    }
 }
 
 #[derive(Clone)]
-struct Pair {
-    now: Instant,
+pub(super) struct Pair {
+    pub(super) now: Instant,
     /// Node 1 (the resolver) and node 2.
-    n: [Node; 2],
+    pub(super) n: [Node; 2],
 }
 
 impl Pair {
@@ -113,7 +139,7 @@ impl Pair {
         p
     }
 
-    fn connect(&mut self) {
+    pub(super) fn connect(&mut self) {
         let now = self.now;
         for n in &mut self.n {
             n.ep.handle_connected(now);
@@ -122,7 +148,7 @@ impl Pair {
     }
 
     /// Move every output of both endpoints to where it goes.
-    fn pump(&mut self) {
+    pub(super) fn pump(&mut self) {
         // Completing a metadata write can queue messages: go round until quiet.
         for _ in 0..8 {
             self.pump_once();
@@ -135,10 +161,18 @@ impl Pair {
                 self.n[1 - i].inbox.push_back(m);
             }
             let n = &mut self.n[i];
-            // Metadata writes complete at once: these tests are about data ordering.
+            // Metadata writes complete at once (these tests are about data ordering),
+            // unless the node holds them.
             while let Some(io) = n.ep.poll_local_io() {
                 match io {
-                    LocalIo::Meta { op, .. } => n.ep.handle_local_done(self.now, op, Ok(None)),
+                    LocalIo::Meta { op, .. } if !n.hold_meta => {
+                        let r = if n.fail_meta {
+                            Err(ErrorKind::Io)
+                        } else {
+                            Ok(None)
+                        };
+                        n.ep.handle_local_done(self.now, op, r)
+                    }
                     io => n.io.push(io),
                 }
             }
@@ -151,7 +185,7 @@ impl Pair {
         }
     }
 
-    fn deliver(&mut self, to: usize) -> bool {
+    pub(super) fn deliver(&mut self, to: usize) -> bool {
         let Some(m) = self.n[to].inbox.pop_front() else {
             return false;
         };
@@ -161,7 +195,7 @@ impl Pair {
         true
     }
 
-    fn complete_io(&mut self, node: usize, index: usize) {
+    pub(super) fn complete_io(&mut self, node: usize, index: usize) {
         let now = self.now;
         let n = &mut self.n[node];
         let io = n.io.remove(index);
@@ -208,22 +242,34 @@ impl Pair {
                     (op, Ok(Some(data)))
                 }
             }
-            LocalIo::Meta { op, .. } => (op, Ok(None)),
+            LocalIo::Meta { op, .. } => {
+                if n.fail_meta {
+                    (op, Err(ErrorKind::Io))
+                } else {
+                    (op, Ok(None))
+                }
+            }
         };
         n.ep.handle_local_done(now, op, result);
         self.pump();
     }
 
     /// Deliver everything and complete all I/O in order until nothing moves.
-    fn run(&mut self) {
+    pub(super) fn run(&mut self) {
+        self.run_where(|_, _| true);
+    }
+
+    /// Deliver everything and complete, in order, the I/O `allow` lets through (by node
+    /// index and I/O), until nothing moves.
+    pub(super) fn run_where(&mut self, allow: impl Fn(usize, &LocalIo) -> bool) {
         loop {
             let mut moved = false;
             for i in 0..2 {
                 while self.deliver(i) {
                     moved = true;
                 }
-                while !self.n[i].io.is_empty() {
-                    self.complete_io(i, 0);
+                while let Some(k) = self.n[i].io.iter().position(|io| allow(i, io)) {
+                    self.complete_io(i, k);
                     moved = true;
                 }
             }
@@ -233,7 +279,20 @@ impl Pair {
         }
     }
 
-    fn write(&mut self, node: usize, offset: u64, data: Vec<u8>, fua: bool) -> RequestId {
+    /// Node `node`'s replica reports that it lost acknowledged data.
+    pub(super) fn lose(&mut self, node: usize) {
+        let now = self.now;
+        self.n[node].ep.local_data_lost(now);
+        self.pump();
+    }
+
+    pub(super) fn write(
+        &mut self,
+        node: usize,
+        offset: u64,
+        data: Vec<u8>,
+        fua: bool,
+    ) -> RequestId {
         let now = self.now;
         let r =
             self.n[node]
@@ -244,7 +303,7 @@ impl Pair {
     }
 
     /// The possible next steps: deliver to a node, or complete one of its pending I/Os.
-    fn steps(&self) -> Vec<(usize, Option<usize>)> {
+    pub(super) fn steps(&self) -> Vec<(usize, Option<usize>)> {
         let mut out = Vec::new();
         for i in 0..2 {
             if !self.n[i].inbox.is_empty() {
@@ -257,7 +316,7 @@ impl Pair {
         out
     }
 
-    fn step(&mut self, s: (usize, Option<usize>)) {
+    pub(super) fn step(&mut self, s: (usize, Option<usize>)) {
         match s {
             (i, None) => {
                 self.deliver(i);
@@ -267,7 +326,7 @@ impl Pair {
     }
 }
 
-fn fill(byte: u8, len: usize) -> Vec<u8> {
+pub(super) fn fill(byte: u8, len: usize) -> Vec<u8> {
     vec![byte; len]
 }
 
@@ -780,28 +839,10 @@ fn local_op(io: &LocalIo) -> LocalOpId {
 impl Pair {
     /// Like `run`, but never completes local op `hold` on node `node`.
     fn run_except(&mut self, node: usize, hold: LocalOpId) {
-        loop {
-            let mut moved = false;
-            for i in 0..2 {
-                while self.deliver(i) {
-                    moved = true;
-                }
-                while let Some(k) = self.n[i]
-                    .io
-                    .iter()
-                    .position(|io| !(i == node && local_op(io) == hold))
-                {
-                    self.complete_io(i, k);
-                    moved = true;
-                }
-            }
-            if !moved {
-                return;
-            }
-        }
+        self.run_where(|i, io| !(i == node && local_op(io) == hold));
     }
 
-    fn cut(&mut self) {
+    pub(super) fn cut(&mut self) {
         let now = self.now;
         for n in &mut self.n {
             n.ep.handle_disconnected(now, "reset");
@@ -1176,9 +1217,14 @@ fn loss_pair() -> Pair {
 impl Pair {
     /// Everything delivered and completed, with time passing for the resync's
     /// checkpoints.
-    fn settle(&mut self) {
+    pub(super) fn settle(&mut self) {
+        self.settle_rounds(4);
+    }
+
+    /// `settle` with `rounds` steps of 1.5 s.
+    pub(super) fn settle_rounds(&mut self, rounds: usize) {
         self.run();
-        for _ in 0..4 {
+        for _ in 0..rounds {
             self.now += Duration::from_millis(1500);
             for i in 0..2 {
                 let now = self.now;
@@ -1191,20 +1237,20 @@ impl Pair {
 
     /// Node `node`'s replica silently loses what was written to `chunk` since `before`
     /// (a snapshot of its disk), as a write-back cache losing its dirty data would.
-    fn lose_chunk(&mut self, node: usize, chunk: u64, before: &[u8]) {
+    pub(super) fn lose_chunk(&mut self, node: usize, chunk: u64, before: &[u8]) {
         let r = (chunk * LOSS_CHUNK) as usize..((chunk + 1) * LOSS_CHUNK) as usize;
         self.n[node].disk[r.clone()].copy_from_slice(&before[r.clone()]);
         self.n[node].durable[r.clone()].copy_from_slice(&before[r]);
     }
 
-    fn read(&mut self, node: usize, offset: u64, len: u32) -> RequestId {
+    pub(super) fn read(&mut self, node: usize, offset: u64, len: u32) -> RequestId {
         let now = self.now;
         let r = self.n[node].ep.submit_read(now, offset, len);
         self.pump();
         r
     }
 
-    fn sync_ends(&self, node: usize) -> Vec<SyncSummary> {
+    pub(super) fn sync_ends(&self, node: usize) -> Vec<SyncSummary> {
         self.n[node]
             .events
             .iter()
@@ -1216,7 +1262,7 @@ impl Pair {
     }
 }
 
-fn chunk_bytes(disk: &[u8], chunk: u64) -> Bytes {
+pub(super) fn chunk_bytes(disk: &[u8], chunk: u64) -> Bytes {
     Bytes::copy_from_slice(
         &disk[(chunk * LOSS_CHUNK) as usize..((chunk + 1) * LOSS_CHUNK) as usize],
     )
