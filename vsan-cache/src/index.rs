@@ -63,9 +63,19 @@ pub(crate) struct Index {
 }
 
 impl Index {
-    pub fn new() -> Index {
+    /// An empty index with room for about `blocks` entries without growing (a growing
+    /// hash map rehashes under its shard lock, on the write path).
+    pub fn with_capacity(blocks: u64) -> Index {
+        let per_shard = (blocks / SHARDS as u64).min(1 << 20) as usize;
         Index {
-            shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
+            shards: (0..SHARDS)
+                .map(|_| {
+                    Mutex::new(Shard::with_capacity_and_hasher(
+                        per_shard,
+                        Default::default(),
+                    ))
+                })
+                .collect(),
             entries: AtomicI64::new(0),
         }
     }
@@ -201,7 +211,7 @@ mod tests {
 
     #[test]
     fn insert_replace_remove() {
-        let ix = Index::new();
+        let ix = Index::with_capacity(0);
         ix.insert(10, 4, 0, Some(64));
         assert_eq!(ix.len(), 4);
         assert_eq!(

@@ -364,7 +364,8 @@ impl WriteBackCache {
             ));
         }
         let log_len = sb.log_len;
-        let index = Index::new();
+        // Every block the log can hold dirty at once, at most.
+        let index = Index::with_capacity(sb.log_len / BLOCK);
         let mut records = VecDeque::new();
         let (head, next_seq, recovery) = if sb.clean_shutdown && sb.head == sb.tail {
             let r = Recovery {
