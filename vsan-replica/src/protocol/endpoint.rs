@@ -458,7 +458,8 @@ pub struct Endpoint {
     hello_deferred: bool,
     discard_my_data: bool,
     quorum: Quorum,
-    held_reads: VecDeque<(RequestId, u64, u32)>,
+    /// Reads waiting for quorum or for the peer, with when they were submitted.
+    held_reads: VecDeque<(RequestId, u64, u32, Instant)>,
     rng: u64,
     next_apply: u64,
     last_app_io: Instant,
@@ -1626,14 +1627,15 @@ impl Endpoint {
     pub fn submit_read(&mut self, now: Instant, offset: u64, len: u32) -> RequestId {
         let req = self.request_id();
         self.last_app_io = now;
-        self.route_read(now, req, offset, len);
+        self.route_read(now, req, offset, len, now);
         req
     }
 
-    fn route_read(&mut self, now: Instant, req: RequestId, offset: u64, len: u32) {
+    /// Send a read where it can be served; `since`: when it was submitted.
+    fn route_read(&mut self, now: Instant, req: RequestId, offset: u64, len: u32, since: Instant) {
         if self.state == LinkState::Degraded {
             match self.alone() {
-                Alone::Hold => return self.held_reads.push_back((req, offset, len)),
+                Alone::Hold => return self.held_reads.push_back((req, offset, len, since)),
                 Alone::Fail(ErrorKind::NoQuorum) => {
                     return self.events.push_back(Event::Completed {
                         request: req,
@@ -1644,10 +1646,13 @@ impl Endpoint {
             }
         }
         if self.detached || self.stale(offset, u64::from(len)) {
-            if self.state != LinkState::Connected && self.handshaking {
-                // Only the peer can serve it, and its link is coming up: wait for the
-                // handshake (it ends within the peer timeout) rather than fail.
-                return self.held_reads.push_back((req, offset, len));
+            if self.state != LinkState::Connected
+                && (self.handshaking || self.state == LinkState::Waiting)
+            {
+                // Only the peer can serve it, and its link is coming up (or has not come
+                // up yet): wait for it, as writes do, rather than fail; the connect
+                // timeout bounds the wait.
+                return self.held_reads.push_back((req, offset, len, since));
             }
             self.read_from_peer(now, req, offset, len);
         } else {
@@ -1677,8 +1682,8 @@ impl Endpoint {
         if self.state == LinkState::Degraded && self.alone() == Alone::Hold {
             return;
         }
-        for (req, offset, len) in std::mem::take(&mut self.held_reads) {
-            self.route_read(now, req, offset, len);
+        for (req, offset, len, since) in std::mem::take(&mut self.held_reads) {
+            self.route_read(now, req, offset, len, since);
         }
     }
 
@@ -2291,19 +2296,24 @@ impl Endpoint {
             }
             LinkState::Handshaking => {}
             LinkState::Waiting => {
-                if let Some(first) = self
-                    .unsent
-                    .iter()
-                    .filter_map(|r| self.own_writes.get(r))
-                    .map(|w| w.submitted)
-                    .min()
-                {
+                if let Some(first) = self.oldest_waiting() {
                     at(first.max(self.created) + self.cfg.connect_timeout);
                 }
             }
             LinkState::Degraded => {}
         }
         t
+    }
+
+    /// When the oldest write or read waiting for a first link was submitted.
+    fn oldest_waiting(&self) -> Option<Instant> {
+        let writes = self
+            .unsent
+            .iter()
+            .filter_map(|r| self.own_writes.get(r))
+            .map(|w| w.submitted);
+        let reads = self.held_reads.iter().map(|r| r.3);
+        writes.chain(reads).min()
     }
 
     fn oldest_unacked(&self) -> Option<Instant> {
@@ -2348,10 +2358,8 @@ impl Endpoint {
             LinkState::Handshaking => {}
             LinkState::Waiting => {
                 let due = self
-                    .unsent
-                    .iter()
-                    .filter_map(|r| self.own_writes.get(r))
-                    .any(|w| now >= w.submitted.max(self.created) + self.cfg.connect_timeout);
+                    .oldest_waiting()
+                    .is_some_and(|t| now >= t.max(self.created) + self.cfg.connect_timeout);
                 if due {
                     let t = self.cfg.connect_timeout;
                     self.lose_peer(now, format!("the peer did not connect within {t:?}"));

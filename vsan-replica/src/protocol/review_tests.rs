@@ -1,7 +1,7 @@
 //! Adversarial review of "a replica that loses acknowledged data is resynced from its
 //! peer" (commit 210b51d). Each test states what the promise requires and fails while
-//! the bug it names is present. Three are fixed; the two ignored ones are known
-//! limitations (the data stays right; see their ignore reasons).
+//! the bug it names is present. Four are fixed; the ignored one is a known limitation
+//! (the data stays right; see its ignore reason).
 //!
 //! Uses the harness of `tests.rs`, whose nodes can hold or fail metadata writes.
 
@@ -225,7 +225,6 @@ fn a_loss_on_the_node_running_a_verify_is_resynced_not_left_detached() {
 /// (state `Waiting`) and succeeds on the next link a moment later. The peer is up and
 /// reachable all along.
 #[test]
-#[ignore = "known limitation (issue 5 note): a read held for a handshake that refuses itself because the replica lost data meanwhile fails instead of waiting for the next link"]
 fn a_loss_during_the_handshake_does_not_fail_a_read_the_next_link_serves() {
     let mut p = pair_with(|_| {});
     p.n[1].disk[..CHUNK as usize].fill(0x11);
