@@ -892,11 +892,7 @@ fn write_through_write_survives_a_power_cut_when_destaged_concurrently() {
 fn block_on(
     fut: impl std::future::Future<Output = Result<(), TestCaseError>>,
 ) -> Result<(), TestCaseError> {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-        .block_on(fut)
+    new_runtime().block_on(fut)
 }
 
 /// Two worker threads: the background destager runs beside the steps.

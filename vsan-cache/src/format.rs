@@ -131,21 +131,7 @@ pub fn device_offset(pos: u64, log_len: u64) -> u64 {
     LOG_START + pos % log_len
 }
 
-fn le_u32(b: &[u8], at: usize) -> u32 {
-    let mut a = [0u8; 4];
-    a.copy_from_slice(&b[at..at + 4]);
-    u32::from_le_bytes(a)
-}
-
-fn le_u64(b: &[u8], at: usize) -> u64 {
-    let mut a = [0u8; 8];
-    a.copy_from_slice(&b[at..at + 8]);
-    u64::from_le_bytes(a)
-}
-
-fn put(b: &mut [u8], at: usize, bytes: &[u8]) {
-    b[at..at + bytes.len()].copy_from_slice(bytes);
-}
+use vsan_core::le::{put, u32_at as le_u32, u64_at as le_u64};
 
 #[cfg(test)]
 mod tests {

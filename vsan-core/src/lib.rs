@@ -33,6 +33,7 @@
 pub mod device;
 pub mod error;
 pub mod export;
+pub mod le;
 
 pub use device::{
     BlockDevice, FileDevice, FileOptions, Geometry, IoFlags, IoFuture, MemDevice, Op,

@@ -123,21 +123,4 @@ fn le_u16(b: &[u8], at: usize) -> u16 {
     u16::from_le_bytes(a)
 }
 
-/// A little-endian `u32` at `at` (the caller has checked the length).
-fn le_u32(b: &[u8], at: usize) -> u32 {
-    let mut a = [0u8; 4];
-    a.copy_from_slice(&b[at..at + 4]);
-    u32::from_le_bytes(a)
-}
-
-/// A little-endian `u64` at `at` (the caller has checked the length).
-fn le_u64(b: &[u8], at: usize) -> u64 {
-    let mut a = [0u8; 8];
-    a.copy_from_slice(&b[at..at + 8]);
-    u64::from_le_bytes(a)
-}
-
-/// Stores `v` little-endian at `at`.
-fn put(b: &mut [u8], at: usize, v: &[u8]) {
-    b[at..at + v.len()].copy_from_slice(v);
-}
+use vsan_core::le::{put, u32_at as le_u32, u64_at as le_u64};
