@@ -1371,6 +1371,9 @@ impl Endpoint {
             | Message::SyncCheckpointAck { .. }
             | Message::SyncDone { .. }
             | Message::SyncRequest) => self.sync_message(now, m),
+            Message::LaneSeq { .. } => {
+                self.protocol_violation(now, "a lane frame reached the protocol".into())
+            }
         }
     }
 

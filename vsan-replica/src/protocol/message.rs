@@ -325,4 +325,12 @@ pub enum Message {
     /// right before the sender's `SyncBitmap`; a receiver that cannot be the source
     /// (its own replica is detached or inconsistent) refuses the link.
     SyncRequest,
+    /// Transport (lanes): the next message on this link is number `seq` of the lane
+    /// group, so the receiver can put messages sent over several lanes back in order.
+    /// Consumed by [`transport::lanes`](crate::transport::lanes); never reaches the
+    /// protocol (an endpoint that receives one treats it as a protocol violation).
+    LaneSeq {
+        /// Position of the next message in the lane group's single order.
+        seq: u64,
+    },
 }

@@ -35,6 +35,10 @@ use vsan_core::{IoFuture, Result};
 
 use crate::protocol::Message;
 
+pub mod lanes;
+pub mod loopback;
+pub mod quic;
+pub mod rdma;
 pub mod tcp;
 
 mod auth;
@@ -124,6 +128,11 @@ pub trait LinkTx: Send + Sync + fmt::Debug {
 
     /// The peer, for messages and logs (e.g. `"tcp:127.0.0.1:7002"`).
     fn peer(&self) -> &str;
+
+    /// The transport actually carrying this link ("tcp", "quic", "loopback", "shm",
+    /// "rdma"), for status: a transport that falls back to another (RDMA to TCP) makes
+    /// links that name the one in use.
+    fn transport(&self) -> &str;
 }
 
 /// The receiving half of a link.
@@ -176,6 +185,11 @@ impl Link {
     /// The peer, for messages and logs.
     pub fn peer(&self) -> &str {
         self.tx.peer()
+    }
+
+    /// See [`LinkTx::transport`].
+    pub fn transport(&self) -> &str {
+        self.tx.transport()
     }
 
     /// The two halves, to send and receive from different tasks.

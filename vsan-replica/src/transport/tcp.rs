@@ -743,6 +743,10 @@ impl LinkTx for TcpTx {
     fn peer(&self) -> &str {
         &self.shared.peer
     }
+
+    fn transport(&self) -> &str {
+        "tcp"
+    }
 }
 
 impl Drop for TcpTx {

@@ -141,7 +141,8 @@ pub fn validate(msg: &Message) -> Result<(), WireError> {
         | Message::SyncCheckpoint { .. }
         | Message::SyncCheckpointAck { .. }
         | Message::SyncDone { .. }
-        | Message::SyncRequest => {}
+        | Message::SyncRequest
+        | Message::LaneSeq { .. } => {}
     }
     Ok(())
 }
@@ -280,6 +281,7 @@ pub fn encode(msg: &Message) -> Result<Frame, WireError> {
             Bytes::new(),
         ),
         Message::SyncRequest => build(kind, &pb::SyncRequest {}, Bytes::new()),
+        Message::LaneSeq { seq } => build(kind, &pb::Token { id: *seq }, Bytes::new()),
     }
 }
 
@@ -455,6 +457,9 @@ pub fn decode(buf: &mut BytesMut) -> Result<Option<Message>, WireError> {
             meta_of::<pb::SyncRequest>(kind, meta)?;
             Message::SyncRequest
         }
+        Kind::LaneSeq => Message::LaneSeq {
+            seq: meta_of::<pb::Token>(kind, meta)?.id,
+        },
         Kind::AuthChallenge | Kind::AuthResponse => return Err(WireError::UnexpectedKind(kind)),
     };
     validate(&msg)?;

@@ -69,6 +69,8 @@ pub enum Kind {
     AuthChallenge = 64,
     /// Transport authentication: the answer to a challenge (never reaches the protocol).
     AuthResponse = 65,
+    /// [`Message::LaneSeq`]: transport sequencing over lanes (never reaches the protocol).
+    LaneSeq = 66,
 }
 
 impl Kind {
@@ -97,6 +99,7 @@ impl Kind {
             20 => Kind::SyncRequest,
             64 => Kind::AuthChallenge,
             65 => Kind::AuthResponse,
+            66 => Kind::LaneSeq,
             _ => return None,
         })
     }
@@ -124,6 +127,7 @@ impl Kind {
             Message::SyncCheckpointAck { .. } => Kind::SyncCheckpointAck,
             Message::SyncDone { .. } => Kind::SyncDone,
             Message::SyncRequest => Kind::SyncRequest,
+            Message::LaneSeq { .. } => Kind::LaneSeq,
         }
     }
 

@@ -50,9 +50,11 @@
 //! | 20   | `SyncRequest`        | `SyncRequest`            | none            |
 //! | 64   | transport: auth challenge | `AuthChallenge`     | none            |
 //! | 65   | transport: auth response  | `AuthResponse`      | none            |
+//! | 66   | transport: `LaneSeq` | `Token` (the sequence number) | none |
 //!
 //! Kinds 64 and up belong to the transport (peer authentication before the first
-//! `Hello`) and never reach the protocol.
+//! `Hello`; lane sequence numbers, see [`transport::lanes`](crate::transport::lanes))
+//! and never reach the protocol.
 //!
 //! A `SyncBitmap` frame's data section is exactly 16 times its meta's `runs` count;
 //! the runs are ascending and do not overlap (each starts at or after the previous

@@ -1,0 +1,1 @@
+//! Lanes: several links to one peer, frames scheduled by least queue depth.

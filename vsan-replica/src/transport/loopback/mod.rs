@@ -1,0 +1,3 @@
+//! The loopback fast path for peers on one host: in-process and shared memory.
+
+pub mod shm;

@@ -1,0 +1,1 @@
+//! Cross-process loopback links over shared-memory rings.

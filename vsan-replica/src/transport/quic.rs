@@ -1,0 +1,1 @@
+//! QUIC links with mutual TLS (quinn, rustls).

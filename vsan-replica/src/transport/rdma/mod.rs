@@ -1,0 +1,1 @@
+//! RDMA links (rdma-core verbs), falling back to TCP.
