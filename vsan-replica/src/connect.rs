@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tracing::{debug, info, warn};
+use vsan_core::ErrorKind;
 
 use crate::mirror::MirroredDisk;
 use crate::protocol::Message;
@@ -28,6 +29,8 @@ const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 pub async fn dial_loop(transport: Arc<dyn Transport>, addr: String, disk: MirroredDisk) {
     let mut status = disk.watch_status();
     let mut backoff = BACKOFF_MIN;
+    // The last refusal logged, so a peer that keeps refusing is reported once per reason.
+    let mut last_refusal = String::new();
     loop {
         // Wait until the disk needs a link.
         while status.borrow_and_update().link_attached {
@@ -37,6 +40,7 @@ pub async fn dial_loop(transport: Arc<dyn Transport>, addr: String, disk: Mirror
         }
         match transport.connect(&addr).await {
             Ok(link) => {
+                last_refusal.clear();
                 debug!(disk = disk.name(), %addr, "connected to the peer");
                 let attached_at = tokio::time::Instant::now();
                 disk.attach(link, None);
@@ -57,6 +61,15 @@ pub async fn dial_loop(transport: Arc<dyn Transport>, addr: String, disk: Mirror
                 if attached_at.elapsed() >= STABLE_AFTER {
                     backoff = BACKOFF_MIN;
                     continue;
+                }
+            }
+            Err(e) if e.kind() == ErrorKind::Protocol => {
+                // Authentication or certificate refused, or the wrong protocol: the
+                // operator must act; retrying will not fix it.
+                let text = e.to_string();
+                if text != last_refusal {
+                    warn!(disk = disk.name(), %addr, "link to the peer refused: {e}");
+                    last_refusal = text;
                 }
             }
             Err(e) => debug!(disk = disk.name(), %addr, "peer not reachable yet: {e}"),
@@ -98,7 +111,10 @@ pub async fn accept_loop(listener: Box<dyn Listener>, disks: HashMap<String, Mir
                     peer = link.peer(),
                     "link did not start with Hello: {other:?}"
                 ),
-                Ok(Err(e)) => debug!(peer = link.peer(), "link closed before Hello: {e}"),
+                Ok(Err(e)) if e.kind() == ErrorKind::Protocol => {
+                    warn!(peer = link.peer(), "incoming link dropped: {e}");
+                }
+                Ok(Err(e)) => info!(peer = link.peer(), "incoming link closed before Hello: {e}"),
                 Err(_) => warn!(peer = link.peer(), "no Hello within {HELLO_TIMEOUT:?}"),
             }
         });

@@ -138,6 +138,10 @@ pub struct MirrorStatus {
     pub link: LinkState,
     /// Whether a link is attached right now (handshaking or connected).
     pub link_attached: bool,
+    /// The transport carrying the attached link ("tcp", "quic", "loopback", "shm",
+    /// "tcp*4" (four lanes), ...; see [`LinkTx::transport`](crate::transport::LinkTx::transport)):
+    /// where a transport fell back to another (RDMA to TCP), the one in use.
+    pub link_transport: Option<Arc<str>>,
     /// The local replica failed and I/O goes through the peer.
     pub local_detached: bool,
     /// This replica has writes the peer lacks (a resync is needed before mirroring).
@@ -252,7 +256,7 @@ impl MirroredDisk {
         // A replica that lost data before the mirror started is no more trusted than one
         // that loses it later: the first turn sees the count above 0 and resyncs it.
         let data_loss_base = 0;
-        let (status_tx, status) = watch::channel(status_of(&endpoint, false, false, None, None, 0));
+        let (status_tx, status) = watch::channel(status_of(&endpoint, false, None, None, None, 0));
         let progress = Arc::new(parking_lot::Mutex::new(None));
         let (quorum_tx, quorum_rx) = mpsc::unbounded_channel();
         let witness_tx = witness.map(|w| {
@@ -276,6 +280,7 @@ impl MirroredDisk {
             waiters: HashMap::new(),
             tx: None,
             rx: None,
+            link_transport: Arc::from(""),
             sending: None,
             backlog: VecDeque::new(),
             running: FuturesUnordered::new(),
@@ -445,14 +450,15 @@ type LocalFuture =
 fn status_of(
     ep: &Endpoint,
     syncing: bool,
-    link_attached: bool,
+    link_transport: Option<Arc<str>>,
     last_problem: Option<String>,
     last_sync_start: Option<SyncStart>,
     local_data_lost: u64,
 ) -> MirrorStatus {
     MirrorStatus {
         link: ep.state(),
-        link_attached,
+        link_attached: link_transport.is_some(),
+        link_transport,
         local_detached: ep.is_detached(),
         diverged: ep.is_diverged(),
         last_problem,
@@ -488,6 +494,8 @@ struct Driver {
     waiters: HashMap<RequestId, Reply>,
     tx: Option<Arc<dyn LinkTx>>,
     rx: Option<Box<dyn LinkRx>>,
+    /// The attached link's transport, for status.
+    link_transport: Arc<str>,
     /// The send the link could not take at once (its queue is full); later messages
     /// wait in `backlog`. The driver never blocks on the link: a peer that stops reading
     /// must not stop local I/O or the peer timeout.
@@ -657,7 +665,14 @@ impl Driver {
                         self.stale_events.push_back(ev);
                     }
                 }
-                info!(peer = link.peer(), "link to the peer attached");
+                info!(
+                    peer = link.peer(),
+                    transport = link.transport(),
+                    "link to the peer attached"
+                );
+                if *self.link_transport != *link.transport() {
+                    self.link_transport = Arc::from(link.transport());
+                }
                 let (tx, rx) = link.into_split();
                 self.tx = Some(Arc::from(tx));
                 self.rx = Some(rx);
@@ -859,7 +874,7 @@ impl Driver {
         let now = status_of(
             &self.ep,
             progress.is_some(),
-            self.tx.is_some(),
+            self.tx.as_ref().map(|_| Arc::clone(&self.link_transport)),
             self.last_problem.clone(),
             self.last_sync_start,
             self.data_loss_seen - self.data_loss_base,

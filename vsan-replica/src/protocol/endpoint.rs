@@ -1371,7 +1371,7 @@ impl Endpoint {
             | Message::SyncCheckpointAck { .. }
             | Message::SyncDone { .. }
             | Message::SyncRequest) => self.sync_message(now, m),
-            Message::LaneSeq { .. } => {
+            Message::LaneSeq { .. } | Message::LaneJoin { .. } => {
                 self.protocol_violation(now, "a lane frame reached the protocol".into())
             }
         }

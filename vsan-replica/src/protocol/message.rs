@@ -333,4 +333,14 @@ pub enum Message {
         /// Position of the next message in the lane group's single order.
         seq: u64,
     },
+    /// Transport (lanes): the first message on each link of a lane group, telling the
+    /// acceptor which links belong together. Never reaches the protocol.
+    LaneJoin {
+        /// Random id shared by the group's links.
+        group: u64,
+        /// This link's position in the group, below `count`.
+        index: u32,
+        /// Links in the group (1 to 64).
+        count: u32,
+    },
 }

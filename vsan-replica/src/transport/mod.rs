@@ -102,7 +102,10 @@ pub trait LinkTx: Send + Sync + fmt::Debug {
     /// the link has failed or been closed.
     fn send(&self, msg: Message) -> IoFuture<'_, ()>;
 
-    /// Queues several messages, in order, as if by one [`send`](LinkTx::send) each.
+    /// Queues several messages, in order, as if by one [`send`](LinkTx::send) each, and
+    /// adjacent: no message of another `send` lands between them (lanes rely on it).
+    /// The provided method sends them one by one, which keeps them adjacent only while
+    /// one task sends; every transport in this crate overrides it.
     /// Byte-stream transports put them on the wire with as few writes as they can (a
     /// driver that answers many requests in one turn pays one syscall, not one each).
     fn send_batch(&self, msgs: Vec<Message>) -> IoFuture<'_, ()> {
@@ -165,6 +168,11 @@ impl Link {
     /// See [`LinkTx::send`].
     pub async fn send(&self, msg: Message) -> Result<()> {
         self.tx.send(msg).await
+    }
+
+    /// See [`LinkTx::send_batch`].
+    pub async fn send_batch(&self, msgs: Vec<Message>) -> Result<()> {
+        self.tx.send_batch(msgs).await
     }
 
     /// See [`LinkRx::recv`].

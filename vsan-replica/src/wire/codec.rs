@@ -4,7 +4,7 @@
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
 use super::header::{CRC_AT, Header, checksum};
-use super::{HEADER_LEN, Kind, MAX_DATA_LEN, MAX_META_LEN, WireError, pb};
+use super::{HEADER_LEN, Kind, MAX_DATA_LEN, MAX_LANES, MAX_META_LEN, WireError, pb};
 use crate::protocol::{DiskId, Generations, Hello, Message, Status, WritePayload};
 
 /// Bytes one `SyncBitmap` run takes in the data section: two little-endian u64.
@@ -143,6 +143,14 @@ pub fn validate(msg: &Message) -> Result<(), WireError> {
         | Message::SyncDone { .. }
         | Message::SyncRequest
         | Message::LaneSeq { .. } => {}
+        Message::LaneJoin { index, count, .. } => {
+            if *count == 0 || *count > MAX_LANES || index >= count {
+                return Err(WireError::Invalid {
+                    kind: Kind::LaneJoin,
+                    reason: "lane index or count out of range",
+                });
+            }
+        }
     }
     Ok(())
 }
@@ -282,6 +290,19 @@ pub fn encode(msg: &Message) -> Result<Frame, WireError> {
         ),
         Message::SyncRequest => build(kind, &pb::SyncRequest {}, Bytes::new()),
         Message::LaneSeq { seq } => build(kind, &pb::Token { id: *seq }, Bytes::new()),
+        Message::LaneJoin {
+            group,
+            index,
+            count,
+        } => build(
+            kind,
+            &pb::LaneJoin {
+                group: *group,
+                index: *index,
+                count: *count,
+            },
+            Bytes::new(),
+        ),
     }
 }
 
@@ -460,6 +481,14 @@ pub fn decode(buf: &mut BytesMut) -> Result<Option<Message>, WireError> {
         Kind::LaneSeq => Message::LaneSeq {
             seq: meta_of::<pb::Token>(kind, meta)?.id,
         },
+        Kind::LaneJoin => {
+            let m = meta_of::<pb::LaneJoin>(kind, meta)?;
+            Message::LaneJoin {
+                group: m.group,
+                index: m.index,
+                count: m.count,
+            }
+        }
         Kind::AuthChallenge | Kind::AuthResponse => return Err(WireError::UnexpectedKind(kind)),
     };
     validate(&msg)?;

@@ -17,6 +17,9 @@ pub const MAX_META_LEN: usize = 64 * 1024;
 /// data a frame carries, and the largest encoded resync bitmap (4 Mi runs).
 pub const MAX_DATA_LEN: usize = 64 * 1024 * 1024;
 
+/// Most links in one lane group ([`Message::LaneJoin`]'s `count`).
+pub const MAX_LANES: u32 = 64;
+
 /// Byte range of the crc field inside the header; the crc covers the bytes before it.
 pub(super) const CRC_AT: usize = 16;
 
@@ -71,6 +74,8 @@ pub enum Kind {
     AuthResponse = 65,
     /// [`Message::LaneSeq`]: transport sequencing over lanes (never reaches the protocol).
     LaneSeq = 66,
+    /// [`Message::LaneJoin`]: the first frame of each lane (never reaches the protocol).
+    LaneJoin = 67,
 }
 
 impl Kind {
@@ -100,6 +105,7 @@ impl Kind {
             64 => Kind::AuthChallenge,
             65 => Kind::AuthResponse,
             66 => Kind::LaneSeq,
+            67 => Kind::LaneJoin,
             _ => return None,
         })
     }
@@ -128,6 +134,7 @@ impl Kind {
             Message::SyncDone { .. } => Kind::SyncDone,
             Message::SyncRequest => Kind::SyncRequest,
             Message::LaneSeq { .. } => Kind::LaneSeq,
+            Message::LaneJoin { .. } => Kind::LaneJoin,
         }
     }
 

@@ -51,6 +51,7 @@
 //! | 64   | transport: auth challenge | `AuthChallenge`     | none            |
 //! | 65   | transport: auth response  | `AuthResponse`      | none            |
 //! | 66   | transport: `LaneSeq` | `Token` (the sequence number) | none |
+//! | 67   | transport: `LaneJoin` | `LaneJoin`          | none            |
 //!
 //! Kinds 64 and up belong to the transport (peer authentication before the first
 //! `Hello`; lane sequence numbers, see [`transport::lanes`](crate::transport::lanes))
@@ -90,7 +91,7 @@ mod header;
 pub(crate) use codec::{AuthFrame, decode_auth, encode_auth_challenge, encode_auth_response};
 pub use codec::{Frame, decode, encode, encode_into, validate};
 pub use error::WireError;
-pub use header::{HEADER_LEN, Kind, MAGIC, MAX_DATA_LEN, MAX_META_LEN, WIRE_VERSION};
+pub use header::{HEADER_LEN, Kind, MAGIC, MAX_DATA_LEN, MAX_LANES, MAX_META_LEN, WIRE_VERSION};
 
 /// Types generated from `proto/replica.proto` by prost (see `build.rs`).
 #[allow(
