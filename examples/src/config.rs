@@ -80,7 +80,8 @@ pub struct NodeSection {
     /// Where images and metadata live.
     pub data_dir: PathBuf,
     /// Replication listener. The node with the higher id of a pair accepts links here;
-    /// the lower id dials its peer's address.
+    /// the lower id dials its peer's address. `host:port`, or for peers with transport
+    /// "loopback" the absolute path of a Unix socket.
     pub listen: Option<String>,
     /// Worker threads of the node's async runtime (default: one per core). Nodes that
     /// share a machine's cores with each other or with their clients do better with
@@ -106,11 +107,32 @@ pub struct NodeSection {
 pub struct PeerSection {
     /// The peer's node id.
     pub id: u32,
-    /// The peer's replication address.
+    /// The peer's replication address: `host:port` for tcp, quic and rdma; for
+    /// loopback a Unix socket path (peers on this host, over shared memory).
     pub address: String,
     /// tcp | loopback | quic | rdma.
     #[serde(default = "default_transport")]
     pub transport: String,
+    /// Links per peer (1 to 64, default 1); frames go on the least busy one, in order.
+    /// Only the dialing node's setting counts: a listener takes any number.
+    pub lanes: Option<u32>,
+    /// tcp (and rdma's fall-back to tcp): a shared secret both nodes prove they know.
+    pub secret: Option<String>,
+    /// tcp: the shared secret read from this file (trailing newline ignored).
+    pub secret_file: Option<PathBuf>,
+    /// quic: this node's certificate (PEM); made, self-signed, at first start when it
+    /// and `key` do not exist (default `data_dir/node-<id>.crt`).
+    pub cert: Option<PathBuf>,
+    /// quic: this node's private key (PEM; default `data_dir/node-<id>.key`).
+    pub key: Option<PathBuf>,
+    /// quic: the peer certificate's pinned SHA-256 fingerprint ("sha256:<64 hex>");
+    /// a peer presenting any other certificate is refused.
+    pub peer_fingerprint: Option<String>,
+    /// quic: instead of a fingerprint, a CA certificate (PEM) the peer's must chain to.
+    pub peer_ca: Option<PathBuf>,
+    /// loopback: spin this many microseconds for the next message before sleeping
+    /// (busy-poll: a core for lower latency). Default 0.
+    pub busy_poll_us: Option<u64>,
 }
 
 fn default_peer_timeout_ms() -> u64 {
@@ -431,11 +453,16 @@ impl Config {
         if self.node.threads == Some(0) {
             return Err(err("node.threads", "must be at least 1"));
         }
-        if let Some(listen) = &self.node.listen {
+        if let Some(listen) = &self.node.listen
+            && !listen.starts_with('/')
+        {
             listen.parse::<SocketAddr>().map_err(|_| {
                 err(
                     "node.listen",
-                    format!("{listen:?} is not an address such as \"127.0.0.1:7001\""),
+                    format!(
+                        "{listen:?} is not an address such as \"127.0.0.1:7001\" (or, for \
+                         loopback peers, the absolute path of a Unix socket)"
+                    ),
                 )
             })?;
         }
@@ -475,16 +502,54 @@ impl Config {
                     format!("peer {} is declared twice", p.id),
                 ));
             }
-            match p.transport.as_str() {
-                "tcp" => {}
-                "loopback" | "quic" | "rdma" => {
-                    return Err(err(
-                        format!("peer[{i}].transport"),
+            let key = |k: &str| format!("peer[{i}].{k}");
+            let only = |k: &str, set: bool, transports: &[&str]| {
+                if set && !transports.contains(&p.transport.as_str()) {
+                    Err(err(
+                        key(k),
                         format!(
-                            "{:?} is not implemented in this build yet; use \"tcp\"",
-                            p.transport
+                            "not used by transport {:?} (only by {})",
+                            p.transport,
+                            transports.join(", ")
                         ),
-                    ));
+                    ))
+                } else {
+                    Ok(())
+                }
+            };
+            if let Some(n) = p.lanes
+                && !(1..=64).contains(&n)
+            {
+                return Err(err(key("lanes"), format!("{n}: must be 1 to 64")));
+            }
+            if p.secret.is_some() && p.secret_file.is_some() {
+                return Err(err(key("secret"), "give secret or secret_file, not both"));
+            }
+            if p.secret.as_deref() == Some("") {
+                return Err(err(key("secret"), "empty"));
+            }
+            only("secret", p.secret.is_some(), &["tcp", "rdma"])?;
+            only("secret_file", p.secret_file.is_some(), &["tcp", "rdma"])?;
+            only("cert", p.cert.is_some(), &["quic"])?;
+            only("key", p.key.is_some(), &["quic"])?;
+            only("peer_fingerprint", p.peer_fingerprint.is_some(), &["quic"])?;
+            only("peer_ca", p.peer_ca.is_some(), &["quic"])?;
+            only("busy_poll_us", p.busy_poll_us.is_some(), &["loopback"])?;
+            if p.cert.is_some() != p.key.is_some() {
+                return Err(err(key("cert"), "give both cert and key, or neither"));
+            }
+            match p.transport.as_str() {
+                "tcp" | "rdma" | "quic" => {}
+                "loopback" => {
+                    if !p.address.starts_with('/') {
+                        return Err(err(
+                            key("address"),
+                            format!(
+                                "{:?}: a loopback address is the absolute path of a Unix socket",
+                                p.address
+                            ),
+                        ));
+                    }
                 }
                 other => {
                     return Err(err(
@@ -687,6 +752,75 @@ nbd = "127.0.0.1:10809"
         ))
         .unwrap_err();
         assert_eq!(e.key, "disk[0].cache.sequential_cutoff", "{e}");
+    }
+
+    #[test]
+    fn peer_transport_keys() {
+        let with_peer = |lines: &str| {
+            Config::parse(&format!(
+                "[node]\nid = 1\ndata_dir = \"/tmp/n1\"\n\n[[peer]]\nid = 2\n{lines}\n"
+            ))
+        };
+        let c = with_peer(
+            "address = \"127.0.0.1:7002\"\ntransport = \"tcp\"\nlanes = 4\nsecret = \"s\"",
+        )
+        .unwrap();
+        assert_eq!(c.peer[0].lanes, Some(4));
+        with_peer("address = \"/run/r.sock\"\ntransport = \"loopback\"\nbusy_poll_us = 20")
+            .unwrap();
+        with_peer("address = \"127.0.0.1:7002\"\ntransport = \"quic\"\npeer_fingerprint = \"x\"")
+            .unwrap();
+        for (lines, key, says) in [
+            (
+                "address = \"a:1\"\nlanes = 0",
+                "peer[0].lanes",
+                "must be 1 to 64",
+            ),
+            (
+                "address = \"a:1\"\nlanes = 65",
+                "peer[0].lanes",
+                "must be 1 to 64",
+            ),
+            (
+                "address = \"a:1\"\ntransport = \"quic\"\nsecret = \"s\"",
+                "peer[0].secret",
+                "not used by transport \"quic\"",
+            ),
+            (
+                "address = \"a:1\"\nsecret = \"\"",
+                "peer[0].secret",
+                "empty",
+            ),
+            (
+                "address = \"a:1\"\nsecret = \"s\"\nsecret_file = \"/f\"",
+                "peer[0].secret",
+                "not both",
+            ),
+            (
+                "address = \"a:1\"\ntransport = \"quic\"\ncert = \"/c\"",
+                "peer[0].cert",
+                "both cert and key",
+            ),
+            (
+                "address = \"a:1\"\nbusy_poll_us = 5",
+                "peer[0].busy_poll_us",
+                "only by loopback",
+            ),
+            (
+                "address = \"127.0.0.1:1\"\ntransport = \"loopback\"",
+                "peer[0].address",
+                "absolute path of a Unix socket",
+            ),
+            (
+                "address = \"a:1\"\ntransport = \"carrier-pigeon\"",
+                "peer[0].transport",
+                "not one of",
+            ),
+        ] {
+            let e = with_peer(lines).unwrap_err();
+            assert_eq!(e.key, key, "{lines}: {e}");
+            assert!(e.message.contains(says), "{lines}: {e}");
+        }
     }
 
     #[test]

@@ -5,6 +5,8 @@ pub mod config;
 pub mod latency;
 pub mod pattern;
 pub mod resync_bench;
+pub mod transport_bench;
+pub mod transports;
 
 /// A work directory `<target>/<name>` beside the running binary's target directory
 /// (`target/release/vsan-demo` -> `target/<name>`), or `target/<name>` relative to the

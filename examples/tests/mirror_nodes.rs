@@ -14,17 +14,17 @@
 mod common;
 
 use std::path::Path;
-use std::process::Command;
 use std::thread;
 use std::time::{Duration, Instant};
 
+use common::fio::{assert_fio_clean, fio, s};
 use common::mirror::{
     CONNECTED, Pair, Side, assert_replicas_identical, free_loopback_addr, start_acceptor,
     start_dialer, start_pair, stop_both_clean,
 };
 use common::{
-    Region, Sig, TestDir, ToolOutput, assert_file_holds, field, field_u64, image, qemu_io_flush,
-    qemu_io_reads, qemu_io_writes, read_file_range, require_tool, run_command,
+    Region, Sig, TestDir, assert_file_holds, field, field_u64, image, qemu_io_flush, qemu_io_reads,
+    qemu_io_writes, read_file_range, require_tool,
 };
 
 const MIB: u64 = 1 << 20;
@@ -47,36 +47,6 @@ fn start_mirrored(tag: &str, disk: &'static str, size: &'static str, timeout_ms:
     pair.n1.wait_stdout(&[&done], EVENT_TIMEOUT);
     pair.n2.wait_stdout(&[&done], EVENT_TIMEOUT);
     pair
-}
-
-/// `fio --ioengine=nbd --uri=<uri> <args>` in `dir`, within `limit`.
-fn fio(dir: &Path, uri: &str, args: &[String], limit: Duration) -> ToolOutput {
-    let mut cmd = Command::new("fio");
-    cmd.current_dir(dir)
-        .arg("--ioengine=nbd")
-        .arg(format!("--uri={uri}"))
-        .arg("--output-format=normal")
-        .args(args);
-    run_command(cmd, limit)
-}
-
-/// fio exited 0, every job reported `err= 0`, and nothing failed verification.
-fn assert_fio_clean(out: &ToolOutput) {
-    out.assert_success();
-    let text = out.text();
-    for bad in [
-        "verify failed",
-        "bad magic",
-        "bad header",
-        "fio: io_u error",
-    ] {
-        assert!(!text.contains(bad), "fio reported `{bad}`:\n{out}");
-    }
-    assert!(text.contains("err= 0"), "no clean job summary:\n{out}");
-}
-
-fn s(args: &[&str]) -> Vec<String> {
-    args.iter().map(|a| a.to_string()).collect()
 }
 
 #[test]

@@ -16,7 +16,7 @@ use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
-use vsan_examples::{cache_bench, latency, resync_bench};
+use vsan_examples::{cache_bench, latency, resync_bench, transport_bench};
 
 #[derive(Parser, Debug)]
 #[command(version, about = "vsan benchmarks against the tools users run today")]
@@ -58,6 +58,49 @@ struct NbdArgs {
 
 #[derive(Subcommand, Debug)]
 enum Cmd {
+    /// Replication transports through MirroredDisk (in-memory replicas): QD1 4 KiB
+    /// write p50/p99, QD32 IOPS and CPU for tcp, tcp with 4 lanes, quic, loopback over
+    /// shared memory (with and without busy-poll) and in-process loopback.
+    Transport {
+        /// QD1 writes per case per round.
+        #[arg(long, default_value_t = 20000)]
+        count: u32,
+        /// Seconds at QD32 per case per round.
+        #[arg(long, default_value_t = 3.0)]
+        seconds: f64,
+        /// Rounds (cases in rotating order).
+        #[arg(long, default_value_t = 3)]
+        rounds: u32,
+        /// Busy-poll budget of the busy-poll cases, microseconds.
+        #[arg(long, default_value_t = 50)]
+        busy_poll_us: u64,
+        /// Work directory (default: target/vsan-bench).
+        #[arg(long)]
+        work_dir: Option<PathBuf>,
+        /// Only the cases whose name contains one of these words.
+        #[arg(long)]
+        only: Vec<String>,
+        /// Runtime worker threads per node process (1: client and mirror share one
+        /// thread, so only the link crosses threads).
+        #[arg(long, default_value_t = 1)]
+        threads: usize,
+    },
+    /// Node 2 of `vsan-bench transport`, in its own process (started by it).
+    #[command(hide = true)]
+    TransportPeer {
+        #[arg(long)]
+        kind: String,
+        #[arg(long)]
+        listen: String,
+        #[arg(long, default_value_t = 0)]
+        busy_poll_us: u64,
+        #[arg(long)]
+        cert_dir: PathBuf,
+        #[arg(long)]
+        pin: Option<String>,
+        #[arg(long, default_value_t = 1)]
+        threads: usize,
+    },
     /// fio 4K randread/randwrite over NBD: vsan-node vs nbdkit vs qemu-nbd.
     Nbd(NbdArgs),
     /// QD1 4 KiB write latency: a local file, the same kind of file mirrored over TCP
@@ -172,6 +215,40 @@ fn median(v: &[f64]) -> f64 {
 fn main() -> ExitCode {
     let args = Args::parse();
     let result = match args.cmd {
+        Cmd::Transport {
+            count,
+            seconds,
+            rounds,
+            busy_poll_us,
+            work_dir,
+            only,
+            threads,
+        } => transport_bench::run(transport_bench::Opts {
+            threads,
+            count,
+            seconds,
+            rounds,
+            busy_poll: Duration::from_micros(busy_poll_us),
+            dir: work_dir.unwrap_or_else(default_dir),
+            only,
+        })
+        .map_err(|e| -> BoxError { e.to_string().into() }),
+        Cmd::TransportPeer {
+            kind,
+            listen,
+            busy_poll_us,
+            cert_dir,
+            pin,
+            threads,
+        } => transport_bench::peer(
+            &kind,
+            &listen,
+            busy_poll_us,
+            &cert_dir,
+            pin.as_deref(),
+            threads,
+        )
+        .map_err(|e| -> BoxError { e.to_string().into() }),
         Cmd::Nbd(args) => nbd_bench(args),
         Cmd::Latency {
             count,

@@ -52,12 +52,15 @@ use vsan_cache::{CacheState, DataLoss, FastDevice, WriteBackCache};
 use vsan_core::export::nbd::{Export, Server};
 use vsan_core::{BlockDevice, ErrorKind, FileOptions, Geometry, MemDevice};
 use vsan_examples::config::{
-    Backing, CacheSection, Config, DiskSection, NbdAddr, Rate, SplitBrain, cache_mode_word,
+    Backing, CacheSection, Config, DiskSection, NbdAddr, PeerSection, Rate, SplitBrain,
+    cache_mode_word,
 };
+use vsan_examples::transports::{self, Note};
 use vsan_replica::connect::{accept_loop, dial_loop};
 use vsan_replica::meta::{self, DEFAULT_CHUNK_SIZE};
 use vsan_replica::protocol::{
-    Config as MirrorConfig, DiskId, QuorumPolicy, ResyncRate, SplitBrainPolicy, SyncKind, SyncRole,
+    Config as MirrorConfig, DiskId, LinkState, QuorumPolicy, ResyncRate, SplitBrainPolicy,
+    SyncKind, SyncRole,
 };
 use vsan_replica::transport::Transport;
 use vsan_replica::transport::tcp::TcpTransport;
@@ -206,9 +209,47 @@ async fn run(config: Config, discard: Vec<String>) -> Result<(), StartError> {
         bound.push((addr, members, listener));
     }
 
+    // One transport per peer; the listener speaks the transport of the peers that dial
+    // this node (those with a lower id), which must agree.
+    let mut peer_transports = HashMap::new();
+    for (i, p) in config.peer.iter().enumerate() {
+        if !config.disk.iter().any(|d| d.peer == Some(p.id)) {
+            continue;
+        }
+        let t = transports::build(p, i, node.id, &node.data_dir).map_err(StartError::Config)?;
+        for n in &t.notes {
+            match n {
+                Note::Warn(m) => warn!("{m}"),
+                Note::Info(m) => info!("{m}"),
+            }
+        }
+        peer_transports.insert(p.id, t);
+    }
+    let dialing_us: Vec<(usize, &PeerSection)> = config
+        .peer
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| p.id < node.id && peer_transports.contains_key(&p.id))
+        .collect();
+    if let [(first_i, first), rest @ ..] = dialing_us.as_slice()
+        && let Some((i, p)) = rest
+            .iter()
+            .find(|(_, p)| !transports::same_listener(first, p))
+    {
+        return Err(StartError::Config(format!(
+            "key `peer[{i}].transport`: peers {} (peer[{first_i}]) and {} both dial this \
+             node's node.listen but with different transport settings; one listener serves \
+             one kind",
+            first.id, p.id
+        )));
+    }
+    let listen_transport: Arc<dyn Transport> = match dialing_us.first() {
+        Some((_, p)) => Arc::clone(&peer_transports[&p.id].listen),
+        None => Arc::new(TcpTransport::new()),
+    };
     let replication = match &node.listen {
         Some(addr) => {
-            let transport = TcpTransport::new();
+            let transport = &listen_transport;
             let l = transport.listen(addr).await.map_err(|e| {
                 StartError::Config(format!("key `node.listen`: cannot listen on {addr}: {e}"))
             })?;
@@ -228,7 +269,6 @@ async fn run(config: Config, discard: Vec<String>) -> Result<(), StartError> {
         });
     }
 
-    let transport: Arc<dyn Transport> = Arc::new(TcpTransport::new());
     let mut disks = Vec::new();
     let mut mirrored = HashMap::new();
     let mut mirrors: Vec<MirroredDisk> = Vec::new();
@@ -322,7 +362,7 @@ async fn run(config: Config, discard: Vec<String>) -> Result<(), StartError> {
                     info!(disk = %d.name, peer = peer_id, address = %peer.address,
                         "mirroring: dialing the peer");
                     background.push(tokio::spawn(dial_loop(
-                        Arc::clone(&transport),
+                        Arc::clone(&peer_transports[&peer_id].dial),
                         peer.address.clone(),
                         disk.clone(),
                     )));
@@ -988,6 +1028,12 @@ async fn report(disk: MirroredDisk) {
             && let Some(p) = &now.last_problem
         {
             say(&format!("problem disk={name} {p}"));
+        }
+        if now.link == LinkState::Connected && last.link != LinkState::Connected {
+            say(&format!(
+                "link disk={name} connected transport={}",
+                now.link_transport.as_deref().unwrap_or("none")
+            ));
         }
         last = now;
     }

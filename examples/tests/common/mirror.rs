@@ -31,6 +31,10 @@ pub struct Side {
     split_brain: Option<&'static str>,
     /// The disk's `resync_rate`.
     resync_rate: Option<&'static str>,
+    /// The peer's `transport`.
+    transport: &'static str,
+    /// More `[[peer]]` lines (secret, lanes, certificates).
+    peer_lines: String,
 }
 
 impl Side {
@@ -45,7 +49,16 @@ impl Side {
             quorum: None,
             split_brain: None,
             resync_rate: None,
+            transport: "tcp",
+            peer_lines: String::new(),
         }
+    }
+
+    /// The peer's `transport` and more `[[peer]]` lines (`key = value`, one per line).
+    pub fn transport(mut self, transport: &'static str, peer_lines: &str) -> Side {
+        self.transport = transport;
+        self.peer_lines = peer_lines.to_string();
+        self
     }
 
     /// `peer_timeout_ms`.
@@ -98,9 +111,11 @@ impl Side {
             s += &format!("quorum = {}\n", toml_str(q));
         }
         s += &format!(
-            "\n[[peer]]\nid = {peer}\naddress = {}\ntransport = \"tcp\"\n\n\
+            "\n[[peer]]\nid = {peer}\naddress = {}\ntransport = {}\n{}\n\
              [[disk]]\nname = {}\nsize = {}\npeer = {peer}\nnbd = \"127.0.0.1:0\"\n",
             toml_str(peer_addr),
+            toml_str(self.transport),
+            self.peer_lines,
             toml_str(self.disk),
             self.size
         );
@@ -123,7 +138,12 @@ pub fn start_acceptor(dir: &TestDir, side: &Side, listen: &str) -> Node {
 pub fn start_acceptor_with_args(dir: &TestDir, side: &Side, listen: &str, args: &[&str]) -> Node {
     // Node 2 never dials (the lower id does), so the address it is given for node 1 is
     // not used; the config requires one.
-    let config = side.config(dir, Some(listen), "127.0.0.1:1");
+    let unused = if side.transport == "loopback" {
+        "/nonexistent/vsan.sock"
+    } else {
+        "127.0.0.1:1"
+    };
+    let config = side.config(dir, Some(listen), unused);
     Node::start_listening_with_args(dir, &config, &[side.disk], args)
 }
 
@@ -157,7 +177,12 @@ pub fn start_pair_with(
     let dir1 = TestDir::new(&format!("{tag}-n1"));
     let dir2 = TestDir::new(&format!("{tag}-n2"));
     prepare(&dir1, &dir2);
-    let n2 = start_acceptor(&dir2, s2, "127.0.0.1:0");
+    let listen = if s2.transport == "loopback" {
+        dir2.join("replication.sock").display().to_string()
+    } else {
+        "127.0.0.1:0".to_string()
+    };
+    let n2 = start_acceptor(&dir2, s2, &listen);
     let listen = n2.replication().to_string();
     let n1 = start_dialer(&dir1, s1, &listen);
     Pair {

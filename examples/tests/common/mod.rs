@@ -9,6 +9,7 @@
 // Each test binary uses a different part of this module.
 #![allow(dead_code)]
 
+pub mod fio;
 pub mod mirror;
 pub mod proxy;
 pub mod witness;
