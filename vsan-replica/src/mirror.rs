@@ -18,7 +18,9 @@
 //! turn and before it hands the endpoint any local completion, and tells the endpoint
 //! first ([`Endpoint::local_data_lost`]): so no read of lost data reaches a caller.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+
+use crate::protocol::fastmap::FastMap;
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::Instant;
@@ -277,7 +279,7 @@ impl MirroredDisk {
             stale_events: VecDeque::new(),
             last_progress_log: Instant::now(),
             last_sync_start: None,
-            waiters: HashMap::new(),
+            waiters: FastMap::default(),
             tx: None,
             rx: None,
             link_transport: Arc::from(""),
@@ -491,7 +493,7 @@ struct Driver {
     stale_events: VecDeque<Event>,
     last_progress_log: Instant,
     last_sync_start: Option<SyncStart>,
-    waiters: HashMap<RequestId, Reply>,
+    waiters: FastMap<RequestId, Reply>,
     tx: Option<Arc<dyn LinkTx>>,
     rx: Option<Box<dyn LinkRx>>,
     /// The attached link's transport, for status.

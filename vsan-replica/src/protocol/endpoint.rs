@@ -21,6 +21,8 @@
 //!    write is applied after its own overlapping write finished locally.
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
+
+use super::fastmap::FastMap;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -484,22 +486,22 @@ pub struct Endpoint {
     next_request: u64,
     next_op: u64,
     next_ping: u64,
-    own_writes: HashMap<RequestId, OwnWrite>,
+    own_writes: FastMap<RequestId, OwnWrite>,
     /// Own writes not started yet, in submission order.
     pending_own: VecDeque<RequestId>,
     /// Own writes started but not yet sent (the link is not up), in start order.
     unsent: VecDeque<RequestId>,
-    own_flushes: HashMap<RequestId, OwnFlush>,
+    own_flushes: FastMap<RequestId, OwnFlush>,
     /// Reads running on the local replica: (offset, len), kept to retry on the peer.
-    local_reads: HashMap<RequestId, (u64, u32)>,
+    local_reads: FastMap<RequestId, (u64, u32)>,
     /// Reads sent to the peer, with their lengths.
-    remote_reads: HashMap<RequestId, u32>,
+    remote_reads: FastMap<RequestId, u32>,
     /// Peer writes being applied, by (link epoch, the peer's id).
-    peer_writes: HashMap<(u64, u64), PeerWrite>,
+    peer_writes: FastMap<(u64, u64), PeerWrite>,
     /// Counts links: bumped by every `handle_connected`.
     link_epoch: u64,
     apply: Vec<Apply>,
-    ops: HashMap<LocalOpId, OpPurpose>,
+    ops: FastMap<LocalOpId, OpPurpose>,
     transmit: VecDeque<Message>,
     local_io: VecDeque<LocalIo>,
     events: VecDeque<Event>,
@@ -624,16 +626,16 @@ impl Endpoint {
             next_request: 1,
             next_op: 1,
             next_ping: 1,
-            own_writes: HashMap::new(),
+            own_writes: FastMap::default(),
             pending_own: VecDeque::new(),
             unsent: VecDeque::new(),
-            own_flushes: HashMap::new(),
-            local_reads: HashMap::new(),
-            remote_reads: HashMap::new(),
-            peer_writes: HashMap::new(),
+            own_flushes: FastMap::default(),
+            local_reads: FastMap::default(),
+            remote_reads: FastMap::default(),
+            peer_writes: FastMap::default(),
             link_epoch: 0,
             apply: Vec::new(),
-            ops: HashMap::new(),
+            ops: FastMap::default(),
             transmit: VecDeque::new(),
             local_io: VecDeque::new(),
             events: VecDeque::new(),

@@ -13,6 +13,7 @@
 //! over message delivery and local I/O completion (see the `tests` module).
 
 mod endpoint;
+pub(crate) mod fastmap;
 pub mod generations;
 pub mod message;
 mod ranges;

@@ -39,9 +39,20 @@
 //!
 //! # Failure
 //!
-//! A lane that fails fails the whole link (the caller reconnects all lanes). When a lane
-//! ends because the peer closed it, the others get a moment (one second) to deliver
-//! what they still carry, so a peer's orderly close loses nothing it sent.
+//! A lane that fails fails the whole link (the caller reconnects all lanes), and the
+//! failure is final on both halves: a batch whose lane refused it leaves a hole in the
+//! numbering no later message can skip. Messages are checked before they take numbers,
+//! so a message the codec refuses leaves none. `recv` reports `Closed` once every lane
+//! has ended, after every message any of them carried: a peer that goes silent with a
+//! lane open is the caller's liveness check's to notice (the mirror's ping timeout).
+//!
+//! # Backpressure
+//!
+//! Each lane has a reader that moves its messages into the reorder buffer. While the
+//! buffer holds 64 Ki messages or 64 MiB of data, a reader whose next message is not
+//! the one `recv` hands out next stops reading, so the lanes' own send queues fill and
+//! the sender waits, as on a single link. The next message in order is always taken
+//! (each lane is in order, so the lane that carries it never waits behind it).
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
@@ -52,7 +63,6 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use tokio::sync::{Notify, mpsc};
 use tokio::task::JoinHandle;
-use tokio::time::Instant;
 use tracing::{debug, info, warn};
 use vsan_core::{Error, ErrorKind, IoFuture, Result};
 
@@ -60,12 +70,26 @@ use super::{Link, LinkRx, LinkTx, Listener, QueueDepth, Transport};
 use crate::protocol::Message;
 use crate::wire::MAX_LANES;
 
-/// How long the other lanes may still deliver after one ended.
-const END_GRACE: Duration = Duration::from_secs(1);
 /// Groups waiting for their last lane, and plain links, not yet taken by `accept`.
 const ACCEPT_BACKLOG: usize = 16;
-/// Messages a reorder buffer may hold waiting for a gap to fill.
-const MAX_REORDER: usize = 1 << 20;
+/// How far ahead of the next message a lane may number one (a peer beyond it is broken).
+const MAX_REORDER: u64 = 1 << 20;
+/// Messages and data bytes the reorder buffer holds before lane readers stop reading
+/// (and the lanes' own backpressure reaches the sender). The next message in order is
+/// always taken, so a full buffer never waits for itself.
+const REORDER_MESSAGES: usize = 1 << 16;
+const REORDER_BYTES: usize = 64 << 20;
+
+fn data_len(msg: &Message) -> usize {
+    match msg {
+        Message::Write {
+            payload: crate::protocol::WritePayload::Data(d),
+            ..
+        } => d.len(),
+        Message::ReadReply { data, .. } | Message::SyncData { data, .. } => data.len(),
+        _ => 0,
+    }
+}
 
 /// Several links to one peer used as one. See the [module docs](self).
 #[derive(Debug, Clone)]
@@ -148,9 +172,10 @@ fn group_link(links: Vec<Link>) -> Link {
             pending: BTreeMap::new(),
             failed: None,
             ended: 0,
-            first_end: None,
+            bytes: 0,
         }),
         changed: Notify::new(),
+        room: Notify::new(),
     });
     let mut readers = Vec::with_capacity(n);
     for (i, link) in links.into_iter().enumerate() {
@@ -163,6 +188,7 @@ fn group_link(links: Vec<Link>) -> Link {
             lanes: txs,
             next_seq: AtomicU64::new(0),
             rotate: AtomicUsize::new(0),
+            failed: Mutex::new(None),
             peer: peer.clone(),
             transport,
         }),
@@ -170,6 +196,7 @@ fn group_link(links: Vec<Link>) -> Link {
             shared,
             readers,
             lanes: n,
+            done: None,
             peer,
         }),
     )
@@ -179,6 +206,9 @@ struct LanesTx {
     lanes: Vec<Box<dyn LinkTx>>,
     next_seq: AtomicU64,
     rotate: AtomicUsize,
+    /// A lane failed after the batch took its numbers: the receiver can never fill
+    /// the hole, so every later send fails too (errors are final).
+    failed: Mutex<Option<(ErrorKind, String)>>,
     peer: String,
     transport: String,
 }
@@ -236,6 +266,19 @@ impl LinkTx for LanesTx {
                     ),
                 ));
             }
+            // Refused before it takes numbers, so a refusal leaves no hole.
+            for m in &msgs {
+                crate::wire::validate(m).map_err(|e| {
+                    Error::with_source(
+                        ErrorKind::InvalidArgument,
+                        format!("{}: send", self.peer),
+                        e,
+                    )
+                })?;
+            }
+            if let Some((kind, what)) = &*self.failed.lock() {
+                return Err(Error::new(*kind, what.clone()));
+            }
             let seq = self
                 .next_seq
                 .fetch_add(msgs.len() as u64, Ordering::Relaxed);
@@ -244,7 +287,13 @@ impl LinkTx for LanesTx {
             batch.extend(msgs);
             // The lane takes the batch on this first poll (the `LinkTx` contract), so
             // the numbers it carries are never skipped.
-            self.pick().send_batch(batch).await
+            let r = self.pick().send_batch(batch).await;
+            if let Err(e) = &r {
+                self.failed
+                    .lock()
+                    .get_or_insert_with(|| (e.kind(), e.to_string()));
+            }
+            r
         })
     }
 
@@ -278,6 +327,8 @@ impl LinkTx for LanesTx {
 struct Reorder {
     state: Mutex<ReorderState>,
     changed: Notify,
+    /// `recv` took a message: readers waiting for room look again.
+    room: Notify,
 }
 
 struct ReorderState {
@@ -288,7 +339,8 @@ struct ReorderState {
     failed: Option<(ErrorKind, String)>,
     /// Lanes that ended because the peer closed them.
     ended: usize,
-    first_end: Option<Instant>,
+    /// Data bytes in `pending`.
+    bytes: usize,
 }
 
 impl ReorderState {
@@ -305,7 +357,29 @@ async fn read_lane(index: usize, mut rx: Box<dyn LinkRx>, shared: Arc<Reorder>) 
     loop {
         let mut ended = false;
         let r = rx.recv().await;
+        // Hold a message that is not the next one while the buffer is full.
+        if let (Ok(m), Some(n)) = (&r, number)
+            && !matches!(m, Message::LaneSeq { .. } | Message::LaneJoin { .. })
+        {
+            loop {
+                let room = shared.room.notified();
+                {
+                    let st = shared.state.lock();
+                    if st.failed.is_some()
+                        || n <= st.next
+                        || (st.pending.len() < REORDER_MESSAGES && st.bytes < REORDER_BYTES)
+                    {
+                        break;
+                    }
+                }
+                room.await;
+            }
+        }
         let mut st = shared.state.lock();
+        if st.failed.is_some() {
+            // Nothing more is delivered after a failure.
+            return;
+        }
         match r {
             Ok(Message::LaneSeq { seq }) => {
                 if seq < st.next {
@@ -323,7 +397,8 @@ async fn read_lane(index: usize, mut rx: Box<dyn LinkRx>, shared: Arc<Reorder>) 
                 format!("{}: lane {index} joined twice", rx.peer()),
             ),
             Ok(m) => match number {
-                Some(n) if st.pending.len() < MAX_REORDER && n >= st.next => {
+                Some(n) if n >= st.next && n - st.next < MAX_REORDER => {
+                    st.bytes += data_len(&m);
                     if st.pending.insert(n, m).is_some() {
                         st.fail(
                             ErrorKind::Protocol,
@@ -347,7 +422,6 @@ async fn read_lane(index: usize, mut rx: Box<dyn LinkRx>, shared: Arc<Reorder>) 
             Err(e) if e.kind() == ErrorKind::Closed => {
                 debug!(peer = rx.peer(), lane = index, "lane closed by the peer");
                 st.ended += 1;
-                st.first_end.get_or_insert_with(Instant::now);
                 ended = true;
             }
             Err(e) => st.fail(e.kind(), format!("lane {index}: {e}")),
@@ -365,6 +439,8 @@ struct LanesRx {
     shared: Arc<Reorder>,
     readers: Vec<JoinHandle<()>>,
     lanes: usize,
+    /// The error `recv` returned: every later `recv` returns it too.
+    done: Option<(ErrorKind, String)>,
     peer: String,
 }
 
@@ -378,34 +454,36 @@ impl LinkRx for LanesRx {
     fn recv(&mut self) -> IoFuture<'_, Message> {
         Box::pin(async move {
             loop {
+                if let Some((kind, what)) = &self.done {
+                    return Err(Error::new(*kind, what.clone()));
+                }
                 let changed = self.shared.changed.notified();
-                let deadline = {
+                {
                     let mut st = self.shared.state.lock();
                     let next = st.next;
                     if let Some(m) = st.pending.remove(&next) {
                         st.next += 1;
+                        st.bytes -= data_len(&m);
+                        drop(st);
+                        self.shared.room.notify_waiters();
                         return Ok(m);
                     }
-                    if let Some((kind, what)) = &st.failed {
-                        return Err(Error::new(*kind, what.clone()));
+                    if let Some(failed) = &st.failed {
+                        self.done = Some(failed.clone());
+                        continue;
                     }
-                    match st.first_end {
-                        Some(at) if st.ended == self.lanes || at.elapsed() >= END_GRACE => {
-                            return Err(Error::new(
-                                ErrorKind::Closed,
-                                format!("{}: the peer closed the link", self.peer),
-                            ));
-                        }
-                        Some(at) => Some(at + END_GRACE),
-                        None => None,
+                    // Closed once every lane has ended: a lane still open may still
+                    // carry messages sent before the close (the caller's own liveness
+                    // checks, not a timer here, decide when a silent peer is gone).
+                    if st.ended == self.lanes {
+                        self.done = Some((
+                            ErrorKind::Closed,
+                            format!("{}: the peer closed the link", self.peer),
+                        ));
+                        continue;
                     }
-                };
-                match deadline {
-                    Some(d) => {
-                        let _ = tokio::time::timeout_at(d, changed).await;
-                    }
-                    None => changed.await,
                 }
+                changed.await;
             }
         })
     }
@@ -432,10 +510,13 @@ struct Replay {
 
 impl LinkRx for Replay {
     fn recv(&mut self) -> IoFuture<'_, Message> {
-        match self.first.take() {
-            Some(m) => Box::pin(async move { Ok(m) }),
-            None => self.rx.recv(),
-        }
+        // Taken when polled, not when called: a future dropped unpolled loses nothing.
+        Box::pin(async move {
+            if let Some(m) = self.first.take() {
+                return Ok(m);
+            }
+            self.rx.recv().await
+        })
     }
 
     fn peer(&self) -> &str {
@@ -451,8 +532,18 @@ struct Partial {
 
 struct LanesListener {
     local: String,
-    ready: tokio::sync::Mutex<mpsc::Receiver<Result<Link>>>,
-    task: JoinHandle<()>,
+    /// Held here, not by a task, so dropping the listener stops listening at once.
+    inner: Box<dyn Listener>,
+    join_timeout: Duration,
+    ready_tx: mpsc::Sender<Result<Link>>,
+    groups: Arc<Mutex<HashMap<u64, Partial>>>,
+    state: tokio::sync::Mutex<ListenState>,
+}
+
+struct ListenState {
+    ready: mpsc::Receiver<Result<Link>>,
+    /// First reads and group watchers; aborted when the listener is dropped.
+    first_reads: tokio::task::JoinSet<()>,
 }
 
 impl fmt::Debug for LanesListener {
@@ -466,67 +557,49 @@ impl fmt::Debug for LanesListener {
 impl LanesListener {
     fn new(inner: Box<dyn Listener>, join_timeout: Duration) -> LanesListener {
         let local = inner.local_addr();
-        let (tx, rx) = mpsc::channel(ACCEPT_BACKLOG);
-        let task = tokio::spawn(sort_incoming(inner, tx, join_timeout));
+        let (ready_tx, ready) = mpsc::channel(ACCEPT_BACKLOG);
         LanesListener {
             local,
-            ready: tokio::sync::Mutex::new(rx),
-            task,
+            inner,
+            join_timeout,
+            ready_tx,
+            groups: Arc::default(),
+            state: tokio::sync::Mutex::new(ListenState {
+                ready,
+                first_reads: tokio::task::JoinSet::new(),
+            }),
         }
-    }
-}
-
-impl Drop for LanesListener {
-    fn drop(&mut self) {
-        self.task.abort();
     }
 }
 
 impl Listener for LanesListener {
     fn accept(&self) -> IoFuture<'_, Link> {
         Box::pin(async move {
-            match self.ready.lock().await.recv().await {
-                Some(r) => r,
-                None => Err(Error::new(
-                    ErrorKind::Closed,
-                    format!("lanes listener {}", self.local),
-                )),
+            let mut guard = self.state.lock().await;
+            let st = &mut *guard;
+            loop {
+                tokio::select! {
+                    r = st.ready.recv() => match r {
+                        Some(r) => return r,
+                        None => unreachable!("the listener holds a sender"),
+                    },
+                    accepted = self.inner.accept() => {
+                        let link = accepted?;
+                        st.first_reads.spawn(sort_one(
+                            link,
+                            self.ready_tx.clone(),
+                            Arc::clone(&self.groups),
+                            self.join_timeout,
+                        ));
+                    }
+                    Some(_) = st.first_reads.join_next(), if !st.first_reads.is_empty() => {}
+                }
             }
         })
     }
 
     fn local_addr(&self) -> String {
         self.local.clone()
-    }
-}
-
-/// Accepts inner links, reads each one's first message, and groups lanes.
-async fn sort_incoming(
-    inner: Box<dyn Listener>,
-    ready: mpsc::Sender<Result<Link>>,
-    join_timeout: Duration,
-) {
-    let groups: Arc<Mutex<HashMap<u64, Partial>>> = Arc::default();
-    let mut first_reads = tokio::task::JoinSet::new();
-    loop {
-        tokio::select! {
-            accepted = inner.accept() => {
-                let link = match accepted {
-                    Ok(l) => l,
-                    Err(e) if e.kind() == ErrorKind::Closed => return,
-                    Err(e) => {
-                        if ready.send(Err(e)).await.is_err() {
-                            return;
-                        }
-                        continue;
-                    }
-                };
-                let ready = ready.clone();
-                let groups = Arc::clone(&groups);
-                first_reads.spawn(sort_one(link, ready, groups, join_timeout));
-            }
-            Some(_) = first_reads.join_next(), if !first_reads.is_empty() => {}
-        }
     }
 }
 

@@ -11,10 +11,18 @@
 //!                                              (&self: any task sends)
 //! ```
 //!
-//! A link carries [`Message`] values. Byte-stream transports ([`tcp`]) frame them with
-//! the one codec in [`crate::wire`]; an in-process transport may pass the values
-//! themselves, zero-copy, but checks them with [`wire::validate`](crate::wire::validate)
-//! so every transport accepts and refuses the same messages.
+//! A link carries [`Message`] values. Byte-stream transports frame them with the one
+//! codec in [`crate::wire`]; the in-process transport passes the values themselves,
+//! zero-copy, but checks them with [`wire::validate`](crate::wire::validate) so every
+//! transport accepts and refuses the same messages.
+//!
+//! | transport | module | addresses | what it is for |
+//! |---|---|---|---|
+//! | tcp | [`tcp`] | `host:port` | any two hosts; optional HMAC peer authentication |
+//! | loopback | [`loopback`] | `inproc:NAME` or a Unix socket path | peers on one host: in one process ([`loopback::inproc`]) or over shared-memory rings ([`loopback::shm`]), busy-poll optional |
+//! | quic | [`quic`] | `host:port` (UDP) | untrusted networks: mutual TLS, pinned certificates or a CA |
+//! | rdma | [`rdma`] | `host:port` | RDMA fabrics (feature `rdma`), falling back to tcp |
+//! | lanes | [`lanes`] | the inner transport's | several links of any of the above used as one, in order |
 //!
 //! The traits are object-safe (boxed futures, as [`BlockDevice`](vsan_core::BlockDevice)
 //! uses), so a driver holds `Box<dyn Transport>` and links of any kind alike. A link is
@@ -43,6 +51,10 @@ pub mod tcp;
 
 mod auth;
 
+pub use lanes::LanesTransport;
+pub use loopback::LoopbackTransport;
+pub use quic::{Fingerprint, Identity, QuicConfig, QuicTransport};
+pub use rdma::{RdmaConfig, RdmaTransport};
 pub use tcp::{SharedSecret, TcpConfig, TcpTransport};
 
 /// Makes links: dials a peer or listens for one.

@@ -1229,16 +1229,26 @@ async fn refuse_plaintext(listener: tokio::net::TcpListener, local: SocketAddr) 
         out.extend_from_slice(&data);
         out.freeze()
     });
+    // One line per 10 s at most, however fast clients knock.
+    let mut last_log: Option<tokio::time::Instant> = None;
+    let mut unlogged = 0u64;
     loop {
         let Ok((mut stream, peer)) = listener.accept().await else {
             tokio::time::sleep(Duration::from_millis(20)).await;
             continue;
         };
-        tracing::warn!(
-            %peer,
-            %local,
-            "plaintext TCP client on the QUIC replication port refused: {PLAINTEXT_REFUSAL}"
-        );
+        if last_log.is_none_or(|t| t.elapsed() >= Duration::from_secs(10)) {
+            tracing::warn!(
+                %peer,
+                %local,
+                more = unlogged,
+                "plaintext TCP client on the QUIC replication port refused: {PLAINTEXT_REFUSAL}"
+            );
+            last_log = Some(tokio::time::Instant::now());
+            unlogged = 0;
+        } else {
+            unlogged += 1;
+        }
         if let Ok(bytes) = &refusal {
             let bytes = bytes.clone();
             tokio::spawn(async move {
@@ -1617,6 +1627,13 @@ impl TxShared {
         }
         let mut st = self.state.lock();
         st.check_failed()?;
+        // REVIEW FIX: `close` may have run since the check above.
+        if st.closing {
+            return Err(Error::new(
+                ErrorKind::Closed,
+                format!("{}: send: link closed by this side", self.peer),
+            ));
+        }
         for f in frames {
             st.push(f);
         }

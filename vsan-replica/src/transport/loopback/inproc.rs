@@ -261,6 +261,7 @@ fn pair(config: &Arc<InProcConfig>, name: &str) -> (Link, Link) {
                 queue: Arc::clone(inq),
                 busy_poll: config.busy_poll,
                 spin_until: None,
+                spin_ok: None,
                 peer,
             }),
         )
@@ -297,7 +298,7 @@ impl InProcTx {
             })?;
         }
         let added: usize = msgs.iter().map(data_len).sum();
-        {
+        let before = {
             let mut st = self.queue.state.lock();
             if st.closed {
                 return Err(Error::new(
@@ -312,10 +313,12 @@ impl InProcTx {
                 ));
             }
             st.messages.extend(msgs);
-        }
-        let before = self.queue.bytes.fetch_add(added, Ordering::AcqRel);
+            // Counted before the lock is released: the receiver subtracts only after it
+            // took the message under the lock, so the count never goes below zero.
+            self.queue.bytes.fetch_add(added, Ordering::AcqRel)
+        };
         self.queue.wake_receiver();
-        Ok(before > 0 && before + added > self.limit)
+        Ok(before > 0 && before.saturating_add(added) > self.limit)
     }
 
     async fn wait_for_room(&self) -> Result<()> {
@@ -387,6 +390,8 @@ struct InProcRx {
     busy_poll: Option<Duration>,
     /// While busy-polling: when to give up and sleep.
     spin_until: Option<Instant>,
+    /// Whether this runtime may spin (a multi-thread one), looked up once.
+    spin_ok: Option<bool>,
     peer: String,
 }
 
@@ -425,7 +430,11 @@ impl InProcRx {
             self.spin_until = None;
             return Poll::Ready(r);
         }
-        if let Some(budget) = self.busy_poll {
+        let spin_ok = *self.spin_ok.get_or_insert_with(|| {
+            tokio::runtime::Handle::try_current()
+                .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread)
+        });
+        if let Some(budget) = self.busy_poll.filter(|_| spin_ok) {
             let now = Instant::now();
             let until = *self.spin_until.get_or_insert(now + budget);
             if now < until {

@@ -560,6 +560,29 @@ impl Region {
     /// The acceptor's side: checks and maps the memory the peer handed over. The error is
     /// the reason to give the peer.
     fn open(file: &File) -> std::result::Result<Region, String> {
+        // Only a tmpfs memfd sealed against shrinking, checked before any read: a read of
+        // another kind of file may block a runtime thread, and a hugetlbfs page the peer
+        // punches out cannot be faulted back in (SIGBUS).
+        let seals = get_seals(file.as_fd())
+            .map_err(|e| format!("the shared memory is not a sealable memfd: {e}"))?;
+        if seals & libc::F_SEAL_SHRINK == 0 {
+            return Err("the shared memory is not sealed against shrinking".into());
+        }
+        let mut fs = MaybeUninit::<libc::statfs>::uninit();
+        // SAFETY: fstatfs writes a statfs into `fs` on success.
+        if unsafe { libc::fstatfs(file.as_raw_fd(), fs.as_mut_ptr()) } < 0 {
+            return Err(format!(
+                "cannot statfs the shared memory: {}",
+                io::Error::last_os_error()
+            ));
+        }
+        // SAFETY: initialised by the successful fstatfs.
+        let fs_type = unsafe { fs.assume_init() }.f_type;
+        if fs_type != libc::TMPFS_MAGIC as _ {
+            return Err(format!(
+                "the shared memory is not a tmpfs memfd (file system {fs_type:#x})"
+            ));
+        }
         let mut header = [0u8; 32];
         file.read_exact_at(&mut header, 0)
             .map_err(|e| format!("cannot read the shared memory header: {e}"))?;
@@ -1000,11 +1023,6 @@ async fn recv_handshake(
     Ok(Some((buf, fds, truncated)))
 }
 
-/// Whether `fd` is a socket (`SO_TYPE` answers only for sockets).
-fn is_socket(fd: &OwnedFd) -> bool {
-    SockRef::from(fd).r#type().is_ok()
-}
-
 // ----- handshake -----
 
 fn hello() -> [u8; HELLO_LEN] {
@@ -1087,6 +1105,8 @@ async fn connector_handshake(
             "the listener hung up during the handshake (not a vsan shm listener?)",
         ));
     };
+    // Whatever is refused below goes to the reaper, not closed on this runtime thread.
+    let mut fds = PeerFds(fds);
     if answer[0..8] != HANDSHAKE_MAGIC {
         return Err(protocol(
             peer,
@@ -1109,16 +1129,16 @@ async fn connector_handshake(
             format!("the listener answered version {version} status {status}"),
         ));
     }
-    if truncated || fds.len() != REPLY_FDS || !fds.iter().all(is_socket) {
+    if truncated || fds.0.len() != REPLY_FDS || !fds.0.iter().all(is_unix_socket) {
         return Err(protocol(
             peer,
             format!(
-                "the listener sent {} descriptors, expected {REPLY_FDS} doorbell sockets",
-                fds.len()
+                "the listener sent {} descriptors, expected {REPLY_FDS} Unix doorbell sockets",
+                fds.0.len()
             ),
         ));
     }
-    let [peer_data, peer_room]: [OwnedFd; REPLY_FDS] = fds
+    let [peer_data, peer_room]: [OwnedFd; REPLY_FDS] = std::mem::take(&mut fds.0)
         .try_into()
         .map_err(|_| protocol(peer, "doorbells missing"))?;
     let conn = Conn::new(
@@ -1147,10 +1167,12 @@ async fn accept_with(stream: UnixStream, config: &ShmConfig, peer: String) -> Re
             format!("{peer}: the peer hung up during the handshake"),
         ));
     };
-    let checked = check_hello(&hello, fds, truncated);
+    let mut fds = fds;
+    let checked = check_hello(&hello, &mut fds, truncated);
     let (region, peer_data, peer_room) = match checked {
         Ok(parts) => parts,
         Err(reason) => {
+            reap(std::mem::take(&mut fds));
             // Best effort: tell the peer why before hanging up.
             let _ = tokio::time::timeout(
                 Duration::from_millis(100),
@@ -1190,7 +1212,7 @@ async fn accept_with(stream: UnixStream, config: &ShmConfig, peer: String) -> Re
 /// Checks the connector's hello and what came with it; the error is the reason to give.
 fn check_hello(
     hello: &[u8],
-    fds: Vec<OwnedFd>,
+    fds: &mut Vec<OwnedFd>,
     truncated: bool,
 ) -> std::result::Result<(Region, OwnedFd, OwnedFd), String> {
     if hello[0..8] != HANDSHAKE_MAGIC {
@@ -1208,14 +1230,71 @@ fn check_hello(
             fds.len()
         ));
     }
-    let [memfd, data, room]: [OwnedFd; HELLO_FDS] = fds
-        .try_into()
-        .map_err(|_| "descriptors missing".to_string())?;
-    if !is_socket(&data) || !is_socket(&room) {
-        return Err("the doorbells are not sockets".into());
+    // Unix sockets only (their close never blocks; a TCP socket's may linger).
+    if !is_unix_socket(&fds[1]) || !is_unix_socket(&fds[2]) {
+        return Err("the doorbells are not sockets (of the Unix domain)".into());
     }
-    let region = Region::open(&File::from(memfd))?;
-    Ok((region, data, room))
+    let file = File::from(fds.remove(0));
+    match Region::open(&file) {
+        Ok(region) => {
+            let room = fds.pop().unwrap();
+            let data = fds.pop().unwrap();
+            Ok((region, data, room))
+        }
+        Err(why) => {
+            fds.insert(0, OwnedFd::from(file));
+            Err(why)
+        }
+    }
+}
+
+/// Whether `fd` is a Unix domain socket (whose close never blocks).
+fn is_unix_socket(fd: &OwnedFd) -> bool {
+    SockRef::from(fd)
+        .domain()
+        .is_ok_and(|d| d == socket2::Domain::UNIX)
+}
+
+/// Closes descriptors a peer handed over and this side did not take, on one reaper
+/// thread instead of a runtime worker: closing an unknown descriptor may block (a TCP
+/// socket's linger, a FUSE flush), and a stuck reaper stalls nothing but itself.
+fn reap(fds: Vec<OwnedFd>) {
+    static REAPER: std::sync::OnceLock<
+        Option<std::sync::Mutex<std::sync::mpsc::Sender<Vec<OwnedFd>>>>,
+    > = std::sync::OnceLock::new();
+    if fds.is_empty() {
+        return;
+    }
+    let reaper = REAPER.get_or_init(|| {
+        let (tx, rx) = std::sync::mpsc::channel::<Vec<OwnedFd>>();
+        std::thread::Builder::new()
+            .name("vsan-shm-reaper".into())
+            .spawn(move || {
+                for fds in rx {
+                    drop(fds);
+                }
+            })
+            .ok()
+            .map(|_| std::sync::Mutex::new(tx))
+    });
+    match reaper {
+        Some(tx) => {
+            if let Ok(tx) = tx.lock() {
+                let _ = tx.send(fds);
+            }
+        }
+        // No thread could be started: close them here rather than leak them.
+        None => drop(fds),
+    }
+}
+
+/// Descriptors from the peer that go to the reaper unless taken.
+struct PeerFds(Vec<OwnedFd>);
+
+impl Drop for PeerFds {
+    fn drop(&mut self) {
+        reap(std::mem::take(&mut self.0));
+    }
 }
 
 // ----- a link -----
@@ -2187,6 +2266,22 @@ mod tests {
         )
         .await;
         assert!(reason.contains("not sockets"), "{reason}");
+        // Sockets, but TCP ones: closing one may linger on a runtime thread (review).
+        let tcp = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let c1 = std::net::TcpStream::connect(tcp.local_addr().unwrap()).unwrap();
+        let c2 = std::net::TcpStream::connect(tcp.local_addr().unwrap()).unwrap();
+        let (_, reason) = offer(&*listener, &addr, &[good.as_fd(), c1.as_fd(), c2.as_fd()]).await;
+        assert!(reason.contains("Unix domain"), "{reason}");
+        // A pipe handed over as the memory: refused by its seals before anything reads
+        // it (a read of some descriptors blocks).
+        let (pipe_r, _pipe_w) = std::io::pipe().unwrap();
+        let (_, reason) = offer(
+            &*listener,
+            &addr,
+            &[pipe_r.as_fd(), bell.as_fd(), bell2.as_fd()],
+        )
+        .await;
+        assert!(reason.contains("not a sealable memfd"), "{reason}");
         still_works(&t, &*listener, &addr).await;
     }
 
