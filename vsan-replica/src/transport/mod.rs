@@ -50,6 +50,7 @@ pub mod rdma;
 pub mod tcp;
 
 mod auth;
+mod txqueue;
 
 pub use lanes::LanesTransport;
 pub use loopback::LoopbackTransport;

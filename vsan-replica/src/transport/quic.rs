@@ -73,7 +73,6 @@
 //! [`Timeout`](vsan_core::ErrorKind::Timeout) after [`QuicConfig::connect_timeout`]
 //! (UDP has no connection refused).
 
-use std::collections::VecDeque;
 use std::fmt;
 use std::fs;
 use std::io::{self, Write as _};
@@ -106,6 +105,7 @@ use tokio::sync::{Notify, mpsc};
 use tokio::task::{JoinHandle, JoinSet};
 use vsan_core::{Error, ErrorKind, IoFuture, Result};
 
+use super::txqueue::{FrameQueue, remember};
 use super::{Link, LinkRx, LinkTx, Listener, QueueDepth, Transport};
 use crate::protocol::Message;
 use crate::wire::{self, Frame};
@@ -1262,15 +1262,6 @@ async fn refuse_plaintext(listener: tokio::net::TcpListener, local: SocketAddr) 
 
 // ----- errors -----
 
-/// What a link keeps of its first error, to report it again on every later call.
-fn remember(err: &Error) -> (ErrorKind, String) {
-    let mut text = err.context().to_string();
-    if let Some(source) = std::error::Error::source(err) {
-        text = format!("{text}: {source}");
-    }
-    (err.kind(), text)
-}
-
 /// Text the peer sent (a close reason), safe to put in a message.
 fn peer_text(reason: &[u8]) -> String {
     const MAX: usize = 400;
@@ -1531,62 +1522,23 @@ fn make_link(
 
 #[derive(Debug, Default)]
 struct TxState {
-    /// Frames not completely handed to quinn, oldest first.
-    queue: VecDeque<Frame>,
-    /// Bytes of the front frame already handed over.
-    front_written: usize,
-    /// Bytes in `queue` not yet handed over.
-    bytes: usize,
+    /// Frames not yet written, and the first error.
+    q: FrameQueue,
     /// `close` was called: no more sends.
     closing: bool,
     /// The stream is finished and the peer acknowledged all of it.
     closed: bool,
-    /// The first error; every later operation reports it.
-    failed: Option<(ErrorKind, String)>,
 }
 
 impl TxState {
-    fn check_failed(&self) -> Result<()> {
-        match &self.failed {
-            Some((kind, context)) => Err(Error::new(*kind, context.clone())),
-            None => Ok(()),
-        }
-    }
-
-    fn push(&mut self, frame: Frame) {
-        self.bytes += frame.len();
-        if self.queue.is_empty() {
-            self.front_written = 0;
-        }
-        self.queue.push_back(frame);
-    }
-
-    /// Drops what a write of `n` bytes took from the front of the queue.
-    fn advance(&mut self, mut n: usize) {
-        self.bytes = self.bytes.saturating_sub(n);
-        while n > 0 {
-            let Some(front) = self.queue.front() else {
-                break;
-            };
-            let left = front.len() - self.front_written;
-            if n < left {
-                self.front_written += n;
-                break;
-            }
-            n -= left;
-            self.queue.pop_front();
-            self.front_written = 0;
-        }
-    }
-
     /// Records the first error and drops what is queued; returns the error.
+    /// Records the failure and drops what is queued (nothing more will be sent).
     fn fail(&mut self, err: Error) -> Error {
-        if self.failed.is_none() {
-            self.failed = Some(remember(&err));
-        }
-        self.queue.clear();
-        self.bytes = 0;
-        self.front_written = 0;
+        let err = self.q.fail(err);
+        self.q = FrameQueue {
+            failed: self.q.failed.take(),
+            ..FrameQueue::default()
+        };
         err
     }
 }
@@ -1612,7 +1564,7 @@ impl TxShared {
     fn enqueue(&self, frames: Vec<Frame>) -> Result<bool> {
         {
             let st = self.state.lock();
-            st.check_failed()?;
+            st.q.check_failed()?;
             if st.closing {
                 return Err(Error::new(
                     ErrorKind::Closed,
@@ -1626,7 +1578,7 @@ impl TxShared {
             return Err(err);
         }
         let mut st = self.state.lock();
-        st.check_failed()?;
+        st.q.check_failed()?;
         // REVIEW FIX: `close` may have run since the check above.
         if st.closing {
             return Err(Error::new(
@@ -1635,9 +1587,9 @@ impl TxShared {
             ));
         }
         for f in frames {
-            st.push(f);
+            st.q.push(f);
         }
-        let over = st.bytes > self.limit;
+        let over = st.q.bytes > self.limit;
         drop(st);
         self.work.notify_one();
         Ok(over)
@@ -1651,8 +1603,8 @@ impl TxShared {
             progress.as_mut().enable();
             {
                 let st = self.state.lock();
-                st.check_failed()?;
-                if st.bytes <= self.limit {
+                st.q.check_failed()?;
+                if st.q.bytes <= self.limit {
                     return Ok(());
                 }
             }
@@ -1687,14 +1639,14 @@ async fn write_loop(shared: Arc<TxShared>, mut send: SendStream) {
         chunks.clear();
         let step = {
             let st = shared.state.lock();
-            if st.failed.is_some() || st.closed {
+            if st.q.failed.is_some() || st.closed {
                 Step::Stop
-            } else if st.queue.is_empty() {
+            } else if st.q.frames.is_empty() {
                 if st.closing { Step::Finish } else { Step::Wait }
             } else {
-                let mut skip = st.front_written;
+                let mut skip = st.q.front_written;
                 let mut bytes = 0;
-                for frame in &st.queue {
+                for frame in &st.q.frames {
                     for part in [frame.head(), frame.data()] {
                         if skip >= part.len() {
                             skip -= part.len();
@@ -1735,7 +1687,7 @@ async fn write_loop(shared: Arc<TxShared>, mut send: SendStream) {
                 };
                 let mut st = shared.state.lock();
                 match written {
-                    Ok(w) => st.advance(w.bytes),
+                    Ok(w) => st.q.advance(w.bytes),
                     Err(e) => {
                         st.fail(write_error(&e, &what));
                         drop(st);
@@ -1743,7 +1695,7 @@ async fn write_loop(shared: Arc<TxShared>, mut send: SendStream) {
                         return;
                     }
                 }
-                let wake = st.bytes <= shared.limit || st.queue.is_empty();
+                let wake = st.q.bytes <= shared.limit || st.q.frames.is_empty();
                 drop(st);
                 if wake {
                     shared.progress.notify_waiters();
@@ -1832,8 +1784,8 @@ impl LinkTx for QuicTx {
     fn queue_depth(&self) -> QueueDepth {
         let st = self.shared.state.lock();
         QueueDepth {
-            messages: st.queue.len(),
-            bytes: st.bytes,
+            messages: st.q.frames.len(),
+            bytes: st.q.bytes,
         }
     }
 
@@ -1845,7 +1797,7 @@ impl LinkTx for QuicTx {
                 if st.closed {
                     return Ok(());
                 }
-                st.check_failed()?;
+                st.q.check_failed()?;
                 st.closing = true;
             }
             shared.work.notify_one();
@@ -1856,7 +1808,7 @@ impl LinkTx for QuicTx {
                     progress.as_mut().enable();
                     {
                         let st = shared.state.lock();
-                        st.check_failed()?;
+                        st.q.check_failed()?;
                         if st.closed {
                             return Ok(());
                         }
@@ -1873,7 +1825,7 @@ impl LinkTx for QuicTx {
                             ErrorKind::Timeout,
                             format!(
                                 "{}: close: {} queued bytes not sent and acknowledged within {:?}",
-                                shared.peer, st.bytes, shared.close_timeout
+                                shared.peer, st.q.bytes, shared.close_timeout
                             ),
                         );
                         st.fail(err)
@@ -1902,8 +1854,8 @@ impl Drop for QuicTx {
         self.writer.abort();
         let mut st = self.shared.state.lock();
         st.closing = true;
-        st.queue.clear();
-        st.bytes = 0;
+        st.q.frames.clear();
+        st.q.bytes = 0;
     }
 }
 

@@ -41,7 +41,6 @@
 //! [`Timeout`](vsan_core::ErrorKind::Timeout)). This proves who connected; it does not
 //! encrypt or protect the stream afterwards (that is what QUIC with mutual TLS is for).
 
-use std::collections::VecDeque;
 use std::fmt;
 use std::io::{self, IoSlice};
 use std::net::Shutdown;
@@ -58,6 +57,7 @@ use tokio::task::{JoinHandle, JoinSet};
 use vsan_core::{Error, ErrorKind, IoFuture, Result};
 
 use super::auth::{self, Role};
+use super::txqueue::{FrameQueue, remember};
 use super::{Link, LinkRx, LinkTx, Listener, QueueDepth, Transport};
 use crate::protocol::Message;
 use crate::wire::{self, Frame};
@@ -344,24 +344,18 @@ enum Writer {
 
 #[derive(Debug, Default)]
 struct TxState {
-    /// Frames not completely written, oldest first.
-    queue: VecDeque<Frame>,
-    /// Bytes of the front frame already written.
-    front_written: usize,
-    /// Bytes in `queue` not yet written.
-    bytes: usize,
+    /// Frames not yet written, and the first error.
+    q: FrameQueue,
     writer: Writer,
     /// `close` was called: no more sends.
     closing: bool,
     /// The write side has been shut down.
     shut: bool,
-    /// The first error; every later operation reports it.
-    failed: Option<(ErrorKind, String)>,
 }
 
 impl TxState {
     fn check_open(&self, peer: &str) -> Result<()> {
-        self.check_failed()?;
+        self.q.check_failed()?;
         if self.closing {
             return Err(Error::new(
                 ErrorKind::Closed,
@@ -371,45 +365,8 @@ impl TxState {
         Ok(())
     }
 
-    fn check_failed(&self) -> Result<()> {
-        match &self.failed {
-            Some((kind, context)) => Err(Error::new(*kind, context.clone())),
-            None => Ok(()),
-        }
-    }
-
-    fn push(&mut self, frame: Frame) {
-        self.bytes += frame.len();
-        if self.queue.is_empty() {
-            self.front_written = 0;
-        }
-        self.queue.push_back(frame);
-    }
-
-    /// Drops what a write of `n` bytes took from the front of the queue.
-    fn advance(&mut self, mut n: usize) {
-        self.bytes = self.bytes.saturating_sub(n);
-        while n > 0 {
-            let Some(front) = self.queue.front() else {
-                break;
-            };
-            let left = front.len() - self.front_written;
-            if n < left {
-                self.front_written += n;
-                break;
-            }
-            n -= left;
-            self.queue.pop_front();
-            self.front_written = 0;
-        }
-    }
-
     fn fail(&mut self, peer: &str, e: io::Error) -> Error {
-        let err = Error::io(format!("{peer}: send"), e);
-        if self.failed.is_none() {
-            self.failed = Some(remember(&err));
-        }
-        err
+        self.q.fail(Error::io(format!("{peer}: send"), e))
     }
 }
 
@@ -441,9 +398,9 @@ impl TxShared {
         st.check_open(&self.peer)?;
         if st.writer != Writer::Idle {
             for f in frames {
-                st.push(f);
+                st.q.push(f);
             }
-            return Ok(st.bytes > self.limit);
+            return Ok(st.q.bytes > self.limit);
         }
         // Idle means the queue is empty: these frames are next on the wire.
         st.writer = Writer::Inline;
@@ -463,9 +420,9 @@ impl TxShared {
                     }
                 }
                 for (f, partial) in rest.into_iter().rev() {
-                    st.bytes += f.len() - partial;
-                    st.queue.push_front(f);
-                    st.front_written = partial;
+                    st.q.bytes += f.len() - partial;
+                    st.q.frames.push_front(f);
+                    st.q.front_written = partial;
                 }
             }
             Err(e) => {
@@ -476,7 +433,7 @@ impl TxShared {
                 return Err(err);
             }
         }
-        if st.queue.is_empty() {
+        if st.q.frames.is_empty() {
             st.writer = Writer::Idle;
             if st.closing {
                 self.progress.notify_waiters();
@@ -485,7 +442,7 @@ impl TxShared {
             st.writer = Writer::Task;
             self.work.notify_one();
         }
-        Ok(st.bytes > self.limit)
+        Ok(st.q.bytes > self.limit)
     }
 
     /// Waits until the queue is at most the limit.
@@ -496,8 +453,8 @@ impl TxShared {
             progress.as_mut().enable();
             {
                 let st = self.state.lock();
-                st.check_failed()?;
-                if st.bytes <= self.limit {
+                st.q.check_failed()?;
+                if st.q.bytes <= self.limit {
                     return Ok(());
                 }
             }
@@ -569,12 +526,12 @@ async fn write_loop(shared: Arc<TxShared>) {
             batch.clear();
             {
                 let mut st = shared.state.lock();
-                if st.writer != Writer::Task || st.failed.is_some() {
+                if st.writer != Writer::Task || st.q.failed.is_some() {
                     break;
                 }
-                let mut skip = st.front_written;
+                let mut skip = st.q.front_written;
                 let mut bytes = 0;
-                for frame in &st.queue {
+                for frame in &st.q.frames {
                     let mut parts = [Bytes::new(), Bytes::new()];
                     let count = unwritten(frame, skip, &mut parts);
                     skip = 0;
@@ -606,18 +563,18 @@ async fn write_loop(shared: Arc<TxShared>) {
                     st.writer = Writer::Idle;
                     st.fail(&shared.peer, io::ErrorKind::WriteZero.into());
                 }
-                Ok(n) => st.advance(n),
+                Ok(n) => st.q.advance(n),
                 Err(e) => {
                     st.writer = Writer::Idle;
                     st.fail(&shared.peer, e);
                 }
             }
-            let failed = st.failed.is_some();
-            let idle = st.queue.is_empty() || failed;
+            let failed = st.q.failed.is_some();
+            let idle = st.q.frames.is_empty() || failed;
             if idle {
                 st.writer = Writer::Idle;
             }
-            let room = st.bytes <= shared.limit;
+            let room = st.q.bytes <= shared.limit;
             drop(st);
             if idle || room {
                 shared.progress.notify_waiters();
@@ -627,15 +584,6 @@ async fn write_loop(shared: Arc<TxShared>) {
             }
         }
     }
-}
-
-/// What a link keeps of its first error, to report it again on every later call.
-fn remember(err: &Error) -> (ErrorKind, String) {
-    let mut text = err.context().to_string();
-    if let Some(source) = std::error::Error::source(err) {
-        text = format!("{text}: {source}");
-    }
-    (err.kind(), text)
 }
 
 /// The sending half of a TCP link.
@@ -684,8 +632,8 @@ impl LinkTx for TcpTx {
     fn queue_depth(&self) -> QueueDepth {
         let st = self.shared.state.lock();
         QueueDepth {
-            messages: st.queue.len(),
-            bytes: st.bytes,
+            messages: st.q.frames.len(),
+            bytes: st.q.bytes,
         }
     }
 
@@ -700,8 +648,8 @@ impl LinkTx for TcpTx {
                     progress.as_mut().enable();
                     {
                         let mut st = shared.state.lock();
-                        st.check_failed()?;
-                        if st.writer == Writer::Idle && st.queue.is_empty() {
+                        st.q.check_failed()?;
+                        if st.writer == Writer::Idle && st.q.frames.is_empty() {
                             // False when an earlier close already shut the socket.
                             return Ok(!std::mem::replace(&mut st.shut, true));
                         }
@@ -723,11 +671,11 @@ impl LinkTx for TcpTx {
                             ErrorKind::Timeout,
                             format!(
                                 "{}: close: {} queued bytes not sent within {:?}",
-                                shared.peer, st.bytes, shared.close_timeout
+                                shared.peer, st.q.bytes, shared.close_timeout
                             ),
                         );
-                        if st.failed.is_none() {
-                            st.failed = Some(remember(&err));
+                        if st.q.failed.is_none() {
+                            st.q.failed = Some(remember(&err));
                         }
                         st.shut = true;
                         err

@@ -120,7 +120,6 @@
 //! while sending leaves at most a partial frame, which the other side reports as the link
 //! closing in the middle of a frame.
 
-use std::collections::VecDeque;
 use std::fmt;
 use std::fs::File;
 use std::io;
@@ -144,6 +143,7 @@ use tokio::task::{JoinHandle, JoinSet};
 use vsan_core::{Error, ErrorKind, IoFuture, Result};
 
 use crate::protocol::Message;
+use crate::transport::txqueue::{FrameQueue, remember};
 use crate::transport::{Link, LinkRx, LinkTx, Listener, QueueDepth, Transport};
 use crate::wire::{self, Frame};
 
@@ -1477,15 +1477,6 @@ async fn spin_until(budget: Duration, mut ready: impl FnMut() -> bool) -> bool {
     .await
 }
 
-/// What a link keeps of its first error, to report it again on every later call.
-fn remember(err: &Error) -> (ErrorKind, String) {
-    let mut text = err.context().to_string();
-    if let Some(source) = std::error::Error::source(err) {
-        text = format!("{text}: {source}");
-    }
-    (err.kind(), text)
-}
-
 fn link_over(conn: Conn, config: &ShmConfig) -> Link {
     let conn = Arc::new(conn);
     let shared = Arc::new(TxShared {
@@ -1525,61 +1516,13 @@ enum Writer {
 
 #[derive(Debug, Default)]
 struct TxState {
-    /// Frames not completely in the ring, oldest first.
-    queue: VecDeque<Frame>,
-    /// Bytes of the front frame already in the ring.
-    front_written: usize,
-    /// Bytes in `queue` not yet in the ring.
-    bytes: usize,
+    /// Frames not yet written, and the first error.
+    q: FrameQueue,
     writer: Writer,
     /// `close` was called (or the half dropped): no more sends.
     closing: bool,
     /// The ring's "closed" has been set.
     shut: bool,
-    /// The first error; every later operation reports it.
-    failed: Option<(ErrorKind, String)>,
-}
-
-impl TxState {
-    fn check_failed(&self) -> Result<()> {
-        match &self.failed {
-            Some((kind, context)) => Err(Error::new(*kind, context.clone())),
-            None => Ok(()),
-        }
-    }
-
-    fn push(&mut self, frame: Frame) {
-        self.bytes += frame.len();
-        if self.queue.is_empty() {
-            self.front_written = 0;
-        }
-        self.queue.push_back(frame);
-    }
-
-    /// Drops what a copy of `n` bytes took from the front of the queue.
-    fn advance(&mut self, mut n: usize) {
-        self.bytes = self.bytes.saturating_sub(n);
-        while n > 0 {
-            let Some(front) = self.queue.front() else {
-                break;
-            };
-            let left = front.len() - self.front_written;
-            if n < left {
-                self.front_written += n;
-                break;
-            }
-            n -= left;
-            self.queue.pop_front();
-            self.front_written = 0;
-        }
-    }
-
-    fn fail(&mut self, err: Error) -> Error {
-        if self.failed.is_none() {
-            self.failed = Some(remember(&err));
-        }
-        err
-    }
 }
 
 /// The parts of `frames` after their first `skip` bytes, in order.
@@ -1635,7 +1578,7 @@ impl TxShared {
     }
 
     fn check_open(&self, st: &TxState) -> Result<()> {
-        st.check_failed()?;
+        st.q.check_failed()?;
         if st.closing {
             return Err(Error::new(
                 ErrorKind::Closed,
@@ -1687,9 +1630,9 @@ impl TxShared {
         self.check_open(&st)?;
         if st.writer != Writer::Idle {
             for f in frames {
-                st.push(f);
+                st.q.push(f);
             }
-            return Ok(st.bytes > self.limit);
+            return Ok(st.q.bytes > self.limit);
         }
         // Idle means the queue is empty: these frames are next in the ring.
         st.writer = Writer::Inline;
@@ -1709,20 +1652,20 @@ impl TxShared {
                     }
                 }
                 for (f, partial) in rest.into_iter().rev() {
-                    st.bytes += f.len() - partial;
-                    st.queue.push_front(f);
-                    st.front_written = partial;
+                    st.q.bytes += f.len() - partial;
+                    st.q.frames.push_front(f);
+                    st.q.front_written = partial;
                 }
             }
             Err(e) => {
                 st.writer = Writer::Idle;
-                let err = st.fail(e);
+                let err = st.q.fail(e);
                 drop(st);
                 self.progress.notify_waiters();
                 return Err(err);
             }
         }
-        if st.queue.is_empty() {
+        if st.q.frames.is_empty() {
             st.writer = Writer::Idle;
             if st.closing {
                 self.progress.notify_waiters();
@@ -1731,7 +1674,7 @@ impl TxShared {
             st.writer = Writer::Task;
             self.work.notify_one();
         }
-        Ok(st.bytes > self.limit)
+        Ok(st.q.bytes > self.limit)
     }
 
     /// Waits until the queue is at most the limit.
@@ -1742,8 +1685,8 @@ impl TxShared {
             progress.as_mut().enable();
             {
                 let st = self.state.lock();
-                st.check_failed()?;
-                if st.bytes <= self.limit {
+                st.q.check_failed()?;
+                if st.q.bytes <= self.limit {
                     return Ok(());
                 }
             }
@@ -1800,12 +1743,12 @@ async fn write_loop(shared: Arc<TxShared>) {
             batch.clear();
             {
                 let mut st = shared.state.lock();
-                if st.writer != Writer::Task || st.failed.is_some() {
+                if st.writer != Writer::Task || st.q.failed.is_some() {
                     break;
                 }
-                let mut skip = st.front_written;
+                let mut skip = st.q.front_written;
                 let mut bytes = 0;
-                for frame in &st.queue {
+                for frame in &st.q.frames {
                     for part in [frame.head(), frame.data()] {
                         if skip >= part.len() {
                             skip -= part.len();
@@ -1831,19 +1774,19 @@ async fn write_loop(shared: Arc<TxShared>) {
                 let mut st = shared.state.lock();
                 match written {
                     Ok(n) => {
-                        st.advance(n);
-                        let idle = st.queue.is_empty();
+                        st.q.advance(n);
+                        let idle = st.q.frames.is_empty();
                         if idle {
                             st.writer = Writer::Idle;
                         }
-                        if idle || (n > 0 && st.bytes <= shared.limit) {
+                        if idle || (n > 0 && st.q.bytes <= shared.limit) {
                             shared.progress.notify_waiters();
                         }
                         (idle, n == 0)
                     }
                     Err(e) => {
                         st.writer = Writer::Idle;
-                        st.fail(e);
+                        st.q.fail(e);
                         shared.progress.notify_waiters();
                         (true, false)
                     }
@@ -1857,7 +1800,7 @@ async fn write_loop(shared: Arc<TxShared>) {
                     {
                         let mut st = shared.state.lock();
                         st.writer = Writer::Idle;
-                        st.fail(e);
+                        st.q.fail(e);
                     }
                     shared.progress.notify_waiters();
                     break;
@@ -1916,8 +1859,8 @@ impl LinkTx for ShmTx {
     fn queue_depth(&self) -> QueueDepth {
         let st = self.shared.state.lock();
         QueueDepth {
-            messages: st.queue.len(),
-            bytes: st.bytes,
+            messages: st.q.frames.len(),
+            bytes: st.q.bytes,
         }
     }
 
@@ -1932,8 +1875,8 @@ impl LinkTx for ShmTx {
                     progress.as_mut().enable();
                     {
                         let mut st = shared.state.lock();
-                        st.check_failed()?;
-                        if st.writer == Writer::Idle && st.queue.is_empty() {
+                        st.q.check_failed()?;
+                        if st.writer == Writer::Idle && st.q.frames.is_empty() {
                             shared.shut(&mut st);
                             return Ok(());
                         }
@@ -1952,11 +1895,11 @@ impl LinkTx for ShmTx {
                             format!(
                                 "{}: close: {} queued bytes not sent within {:?}",
                                 shared.peer(),
-                                st.bytes,
+                                st.q.bytes,
                                 shared.close_timeout
                             ),
                         );
-                        st.fail(err)
+                        st.q.fail(err)
                     };
                     shared.conn.tear_down(&Error::new(
                         ErrorKind::Closed,
