@@ -661,12 +661,15 @@ impl Driver {
                 if self.tx.is_some() {
                     self.drop_link();
                     self.ep.handle_disconnected(now, "replaced by a new link");
-                    // What that raised belongs to the old link: do not let it retire
-                    // the new one.
-                    while let Some(ev) = self.ep.poll_event() {
-                        self.stale_events.push_back(ev);
-                    }
                 }
+                // What the endpoint raised so far belongs to the old link, also when
+                // that link's loss was handled earlier in this same turn (its events are
+                // not drained yet): do not let it retire the new one, and do not send
+                // the old link's messages on it.
+                while let Some(ev) = self.ep.poll_event() {
+                    self.stale_events.push_back(ev);
+                }
+                while self.ep.poll_transmit().is_some() {}
                 info!(
                     peer = link.peer(),
                     transport = link.transport(),
