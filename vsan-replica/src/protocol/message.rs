@@ -344,3 +344,18 @@ pub enum Message {
         count: u32,
     },
 }
+
+impl Message {
+    /// Bytes of write, read or resync data the message carries (0 for the others): what
+    /// in-memory queues count against their limits.
+    pub(crate) fn data_len(&self) -> usize {
+        match self {
+            Message::Write {
+                payload: WritePayload::Data(d),
+                ..
+            } => d.len(),
+            Message::ReadReply { data, .. } | Message::SyncData { data, .. } => data.len(),
+            _ => 0,
+        }
+    }
+}

@@ -80,17 +80,6 @@ const MAX_REORDER: u64 = 1 << 20;
 const REORDER_MESSAGES: usize = 1 << 16;
 const REORDER_BYTES: usize = 64 << 20;
 
-fn data_len(msg: &Message) -> usize {
-    match msg {
-        Message::Write {
-            payload: crate::protocol::WritePayload::Data(d),
-            ..
-        } => d.len(),
-        Message::ReadReply { data, .. } | Message::SyncData { data, .. } => data.len(),
-        _ => 0,
-    }
-}
-
 /// Several links to one peer used as one. See the [module docs](self).
 #[derive(Debug, Clone)]
 pub struct LanesTransport {
@@ -398,7 +387,7 @@ async fn read_lane(index: usize, mut rx: Box<dyn LinkRx>, shared: Arc<Reorder>) 
             ),
             Ok(m) => match number {
                 Some(n) if n >= st.next && n - st.next < MAX_REORDER => {
-                    st.bytes += data_len(&m);
+                    st.bytes += m.data_len();
                     if st.pending.insert(n, m).is_some() {
                         st.fail(
                             ErrorKind::Protocol,
@@ -463,7 +452,7 @@ impl LinkRx for LanesRx {
                     let next = st.next;
                     if let Some(m) = st.pending.remove(&next) {
                         st.next += 1;
-                        st.bytes -= data_len(&m);
+                        st.bytes -= m.data_len();
                         drop(st);
                         self.shared.room.notify_waiters();
                         return Ok(m);

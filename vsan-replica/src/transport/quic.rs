@@ -105,7 +105,7 @@ use tokio::sync::{Notify, mpsc};
 use tokio::task::{JoinHandle, JoinSet};
 use vsan_core::{Error, ErrorKind, IoFuture, Result};
 
-use super::txqueue::{FrameQueue, remember};
+use super::txqueue::{AcceptQueue, FrameQueue, remember};
 use super::{Link, LinkRx, LinkTx, Listener, QueueDepth, Transport};
 use crate::protocol::Message;
 use crate::wire::{self, Frame};
@@ -1074,7 +1074,8 @@ impl Transport for QuicTransport {
                     None
                 }
             };
-            let (incoming_tx, incoming) = mpsc::channel(ACCEPT_BACKLOG);
+            let (incoming_tx, incoming) =
+                AcceptQueue::new(format!("quic listener {local}"), ACCEPT_BACKLOG);
             let task = tokio::spawn(accept_loop(
                 endpoint.clone(),
                 Arc::clone(&self.inner),
@@ -1083,7 +1084,7 @@ impl Transport for QuicTransport {
             Ok(Box::new(QuicListener {
                 local: local.to_string(),
                 endpoint,
-                incoming: tokio::sync::Mutex::new(incoming),
+                incoming,
                 task,
                 plaintext,
             }) as Box<dyn Listener>)
@@ -1167,7 +1168,7 @@ async fn accept_one(incoming: Incoming, config: &QuicConfig) -> Result<Link> {
 struct QuicListener {
     local: String,
     endpoint: Endpoint,
-    incoming: tokio::sync::Mutex<mpsc::Receiver<Result<Link>>>,
+    incoming: AcceptQueue,
     task: JoinHandle<()>,
     /// Refuses plain TCP clients on the same port number.
     plaintext: Option<JoinHandle<()>>,
@@ -1183,15 +1184,7 @@ impl fmt::Debug for QuicListener {
 
 impl Listener for QuicListener {
     fn accept(&self) -> IoFuture<'_, Link> {
-        Box::pin(async move {
-            match self.incoming.lock().await.recv().await {
-                Some(link) => link,
-                None => Err(Error::new(
-                    ErrorKind::Closed,
-                    format!("quic listener {}: stopped", self.local),
-                )),
-            }
-        })
+        Box::pin(self.incoming.next())
     }
 
     fn local_addr(&self) -> String {

@@ -57,7 +57,7 @@ use tokio::task::{JoinHandle, JoinSet};
 use vsan_core::{Error, ErrorKind, IoFuture, Result};
 
 use super::auth::{self, Role};
-use super::txqueue::{FrameQueue, remember};
+use super::txqueue::{AcceptQueue, FrameQueue, remember};
 use super::{Link, LinkRx, LinkTx, Listener, QueueDepth, Transport};
 use crate::protocol::Message;
 use crate::wire::{self, Frame};
@@ -200,11 +200,12 @@ impl Transport for TcpTransport {
             let local = listener
                 .local_addr()
                 .map_err(|e| Error::io(format!("tcp listen {addr}"), e))?;
-            let (incoming_tx, incoming) = mpsc::channel(ACCEPT_BACKLOG);
+            let (incoming_tx, incoming) =
+                AcceptQueue::new(format!("tcp listener {local}"), ACCEPT_BACKLOG);
             let task = tokio::spawn(accept_loop(listener, Arc::clone(&self.config), incoming_tx));
             Ok(Box::new(TcpLinkListener {
                 local: local.to_string(),
-                incoming: tokio::sync::Mutex::new(incoming),
+                incoming,
                 task,
             }) as Box<dyn Listener>)
         })
@@ -294,7 +295,7 @@ async fn accept_loop(
 /// The listening side of a [`TcpTransport`].
 struct TcpLinkListener {
     local: String,
-    incoming: tokio::sync::Mutex<mpsc::Receiver<Result<Link>>>,
+    incoming: AcceptQueue,
     task: JoinHandle<()>,
 }
 
@@ -308,15 +309,7 @@ impl fmt::Debug for TcpLinkListener {
 
 impl Listener for TcpLinkListener {
     fn accept(&self) -> IoFuture<'_, Link> {
-        Box::pin(async move {
-            match self.incoming.lock().await.recv().await {
-                Some(link) => link,
-                None => Err(Error::new(
-                    ErrorKind::Closed,
-                    format!("tcp listener {}: stopped", self.local),
-                )),
-            }
-        })
+        Box::pin(self.incoming.next())
     }
 
     fn local_addr(&self) -> String {

@@ -236,17 +236,6 @@ impl Queue {
     }
 }
 
-fn data_len(msg: &Message) -> usize {
-    match msg {
-        Message::Write {
-            payload: crate::protocol::WritePayload::Data(d),
-            ..
-        } => d.len(),
-        Message::ReadReply { data, .. } | Message::SyncData { data, .. } => data.len(),
-        _ => 0,
-    }
-}
-
 fn pair(config: &Arc<InProcConfig>, name: &str) -> (Link, Link) {
     let a_to_b = Arc::new(Queue::new());
     let b_to_a = Arc::new(Queue::new());
@@ -297,7 +286,7 @@ impl InProcTx {
                 )
             })?;
         }
-        let added: usize = msgs.iter().map(data_len).sum();
+        let added: usize = msgs.iter().map(Message::data_len).sum();
         let before = {
             let mut st = self.queue.state.lock();
             if st.closed {
@@ -410,7 +399,7 @@ impl InProcRx {
         match st.messages.pop_front() {
             Some(m) => {
                 drop(st);
-                let n = data_len(&m);
+                let n = m.data_len();
                 if n > 0 {
                     self.queue.bytes.fetch_sub(n, Ordering::AcqRel);
                     self.queue.room.notify_waiters();

@@ -143,7 +143,7 @@ use tokio::task::{JoinHandle, JoinSet};
 use vsan_core::{Error, ErrorKind, IoFuture, Result};
 
 use crate::protocol::Message;
-use crate::transport::txqueue::{FrameQueue, remember};
+use crate::transport::txqueue::{AcceptQueue, FrameQueue, remember};
 use crate::transport::{Link, LinkRx, LinkTx, Listener, QueueDepth, Transport};
 use crate::wire::{self, Frame};
 
@@ -342,7 +342,8 @@ impl Transport for ShmTransport {
             let ident = std::fs::symlink_metadata(addr)
                 .ok()
                 .map(|m| (m.dev(), m.ino()));
-            let (incoming_tx, incoming) = mpsc::channel(ACCEPT_BACKLOG);
+            let (incoming_tx, incoming) =
+                AcceptQueue::new(format!("shm listener {addr}"), ACCEPT_BACKLOG);
             let task = tokio::spawn(accept_loop(
                 listener,
                 addr.to_string(),
@@ -352,7 +353,7 @@ impl Transport for ShmTransport {
             Ok(Box::new(ShmListener {
                 path: addr.to_string(),
                 ident,
-                incoming: tokio::sync::Mutex::new(incoming),
+                incoming,
                 task,
             }) as Box<dyn Listener>)
         })
@@ -460,7 +461,7 @@ struct ShmListener {
     path: String,
     /// Device and inode of the socket file this listener created, to remove only that.
     ident: Option<(u64, u64)>,
-    incoming: tokio::sync::Mutex<mpsc::Receiver<Result<Link>>>,
+    incoming: AcceptQueue,
     task: JoinHandle<()>,
 }
 
@@ -474,15 +475,7 @@ impl fmt::Debug for ShmListener {
 
 impl Listener for ShmListener {
     fn accept(&self) -> IoFuture<'_, Link> {
-        Box::pin(async move {
-            match self.incoming.lock().await.recv().await {
-                Some(link) => link,
-                None => Err(Error::new(
-                    ErrorKind::Closed,
-                    format!("shm listener {}: stopped", self.path),
-                )),
-            }
-        })
+        Box::pin(self.incoming.next())
     }
 
     fn local_addr(&self) -> String {
