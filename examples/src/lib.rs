@@ -1,12 +1,13 @@
 //! Shared pieces of the vsan example programs (`vsan-node`, `vsan-demo`, `vsan-bench`).
 #![deny(missing_docs)]
 pub mod cache_bench;
-pub mod config;
 pub mod latency;
 pub mod pattern;
 pub mod resync_bench;
 pub mod transport_bench;
-pub mod transports;
+
+/// The node configuration and the transports it builds, now in the library (`vsan::node`).
+pub use vsan::node::{config, transports};
 
 /// A work directory `<target>/<name>` beside the running binary's target directory
 /// (`target/release/vsan-demo` -> `target/<name>`), or `target/<name>` relative to the

@@ -38,37 +38,18 @@
 //! a split brain by making this node's replica of NAME the sync target on the next
 //! connection; SIGUSR1 starts an online verify of every mirrored disk from this node.
 
-use std::collections::{BTreeMap, HashMap};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::{Arc, Weak};
+use std::sync::Weak;
 use std::time::Duration;
 
 use clap::Parser;
-use tokio::net::{TcpListener, UnixListener};
 use tracing::{error, info, warn};
-use vsan_cache::format::{self as cache_format, Superblock as CacheSuperblock};
-use vsan_cache::{CacheState, DataLoss, FastDevice, WriteBackCache};
-use vsan_core::export::nbd::{Export, Server};
-use vsan_core::{BlockDevice, ErrorKind, FileOptions, Geometry, MemDevice};
-use vsan_examples::config::{
-    Backing, CacheSection, Config, DiskSection, NbdAddr, PeerSection, Rate, SplitBrain,
-    cache_mode_word,
-};
-use vsan_examples::transports::{self, Note};
-use vsan_replica::connect::{accept_loop, dial_loop};
-use vsan_replica::meta::{self, DEFAULT_CHUNK_SIZE};
-use vsan_replica::protocol::{
-    Config as MirrorConfig, DiskId, LinkState, QuorumPolicy, ResyncRate, SplitBrainPolicy,
-    SyncKind, SyncRole,
-};
-use vsan_replica::transport::Transport;
-use vsan_replica::transport::tcp::TcpTransport;
-use vsan_replica::witness::WitnessClient;
-use vsan_replica::{MirroredDisk, Replica, meta_params};
-
-/// How long shutdown waits for clients to finish their requests.
-const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
+use vsan::node::config::Config;
+use vsan::node::{Node, StartError, StartOptions};
+use vsan_cache::{CacheState, WriteBackCache};
+use vsan_replica::MirroredDisk;
+use vsan_replica::protocol::{LinkState, SyncKind, SyncRole};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -83,29 +64,6 @@ struct Args {
     /// connection this replica becomes the sync target. May be given more than once.
     #[arg(long, value_name = "NAME")]
     discard_my_data: Vec<String>,
-}
-
-/// Why the node could not start.
-enum StartError {
-    Config(String),
-    Runtime(String),
-}
-
-struct Disk {
-    name: String,
-    device: Arc<dyn BlockDevice>,
-}
-
-/// A disk's write-back cache, kept apart from the device stack so that shutdown can
-/// close it once the disk above it is closed.
-struct CachedDisk {
-    name: String,
-    cache: Arc<WriteBackCache>,
-}
-
-enum Listener {
-    Tcp(TcpListener),
-    Unix(UnixListener, PathBuf),
 }
 
 fn main() -> ExitCode {
@@ -153,630 +111,52 @@ fn main() -> ExitCode {
 }
 
 async fn run(config: Config, discard: Vec<String>) -> Result<(), StartError> {
-    let node = &config.node;
-    info!(id = node.id, data_dir = %node.data_dir.display(), "vsan-node starting");
-    if let Some(v) = &node.mgmt {
+    info!(id = config.node.id, data_dir = %config.node.data_dir.display(), "vsan-node starting");
+    if let Some(v) = &config.node.mgmt {
         warn!("node.mgmt = {v:?} is accepted but not used yet in this build");
     }
-    for name in &discard {
-        if !config
-            .disk
-            .iter()
-            .any(|d| &d.name == name && d.peer.is_some())
-        {
-            return Err(StartError::Config(format!(
-                "--discard-my-data {name:?}: no mirrored disk of that name"
+    let node = Node::start(
+        &config,
+        StartOptions {
+            discard_my_data: discard,
+        },
+    )
+    .await?;
+    let mut reporters = Vec::new();
+    for disk in node.disks() {
+        if let Some(cache) = &disk.cache {
+            reporters.push(tokio::spawn(watch_cache(
+                disk.name.clone(),
+                std::sync::Arc::downgrade(cache),
             )));
         }
-    }
-    let witness = node
-        .witness
-        .as_ref()
-        .map(|w| WitnessClient::new(w.clone(), node.id));
-    let quorum = match (node.witness.is_some(), node.quorum.as_deref()) {
-        (false, _) => None,
-        (true, Some("suspend")) => Some(QuorumPolicy::Suspend),
-        (true, _) => Some(QuorumPolicy::IoError),
-    };
-
-    let mut ready_lines_pre = Vec::new();
-    // Bind every listener first: a busy address must refuse the start before any image
-    // is created. Disks sharing an address become exports of one server.
-    let mut by_addr: BTreeMap<String, (NbdAddr, Vec<usize>)> = BTreeMap::new();
-    for (i, d) in config.disk.iter().enumerate() {
-        let Some(nbd) = &d.nbd else {
-            warn!(disk = %d.name, "no `nbd` address: the disk is not exported");
-            continue;
-        };
-        let addr = NbdAddr::parse(nbd)
-            .map_err(|m| StartError::Config(format!("key `disk[{i}].nbd`: {m}")))?;
-        by_addr
-            .entry(addr.to_string())
-            .or_insert_with(|| (addr, Vec::new()))
-            .1
-            .push(i);
-    }
-    let mut bound = Vec::new();
-    for (addr, members) in by_addr.into_values() {
-        let key = format!("key `disk[{}].nbd`", members[0]);
-        let listener = bind(&addr).await.map_err(|e| {
-            if e.kind() == std::io::ErrorKind::AddrInUse {
-                StartError::Config(format!("{key}: address {addr} is already in use"))
-            } else {
-                StartError::Config(format!("{key}: cannot listen on {addr}: {e}"))
-            }
-        })?;
-        bound.push((addr, members, listener));
-    }
-
-    // One transport per peer; the listener speaks the transport of the peers that dial
-    // this node (those with a lower id), which must agree.
-    let mut peer_transports = HashMap::new();
-    for (i, p) in config.peer.iter().enumerate() {
-        if !config.disk.iter().any(|d| d.peer == Some(p.id)) {
-            continue;
+        if let Some(mirror) = &disk.mirror {
+            reporters.push(tokio::spawn(report(mirror.clone())));
         }
-        let t = transports::build(p, i, node.id, &node.data_dir).map_err(StartError::Config)?;
-        for n in &t.notes {
-            match n {
-                Note::Warn(m) => warn!("{m}"),
-                Note::Info(m) => info!("{m}"),
-            }
-        }
-        peer_transports.insert(p.id, t);
     }
-    let dialing_us: Vec<(usize, &PeerSection)> = config
-        .peer
+    let mirrors: Vec<MirroredDisk> = node
+        .disks()
         .iter()
-        .enumerate()
-        .filter(|(_, p)| p.id < node.id && peer_transports.contains_key(&p.id))
+        .filter_map(|d| d.mirror.clone())
         .collect();
-    if let [(first_i, first), rest @ ..] = dialing_us.as_slice()
-        && let Some((i, p)) = rest
-            .iter()
-            .find(|(_, p)| !transports::same_listener(first, p))
-    {
-        return Err(StartError::Config(format!(
-            "key `peer[{i}].transport`: peers {} (peer[{first_i}]) and {} both dial this \
-             node's node.listen but with different transport settings; one listener serves \
-             one kind",
-            first.id, p.id
-        )));
-    }
-    let listen_transport: Arc<dyn Transport> = match dialing_us.first() {
-        Some((_, p)) => Arc::clone(&peer_transports[&p.id].listen),
-        None => Arc::new(TcpTransport::new()),
-    };
-    let replication = match &node.listen {
-        Some(addr) => {
-            let transport = &listen_transport;
-            let l = transport.listen(addr).await.map_err(|e| {
-                StartError::Config(format!("key `node.listen`: cannot listen on {addr}: {e}"))
-            })?;
-            ready_lines_pre.push(format!("ready replication={}", l.local_addr()));
-            Some(l)
-        }
-        None => None,
-    };
-
-    // Every cache file is checked before any image is created or opened: a refused
-    // cache leaves nothing behind.
-    let mut cache_files = Vec::with_capacity(config.disk.len());
-    for (i, d) in config.disk.iter().enumerate() {
-        cache_files.push(match &d.cache {
-            Some(c) => Some(inspect_cache(i, d, c, &node.data_dir)?),
-            None => None,
-        });
-    }
-
-    let mut disks = Vec::new();
-    let mut mirrored = HashMap::new();
-    let mut mirrors: Vec<MirroredDisk> = Vec::new();
-    let mut background = Vec::new();
-    let mut caches = Vec::new();
-    let mut cache_lines = Vec::new();
-    for (i, d) in config.disk.iter().enumerate() {
-        if d.peer.is_some() && d.backing == Backing::File {
-            // A replica whose image is gone but whose metadata is not would claim data it
-            // no longer has; it must come back as a new replica.
-            let meta_path = node.data_dir.join(format!("{}.meta", d.name));
-            let image = d.image_path(&node.data_dir);
-            if meta_path.exists() && !image.exists() {
-                return Err(StartError::Runtime(format!(
-                    "disk {}: refusing to attach: the metadata {} exists but the image {} does \
-                     not; a replaced replica is a new one: remove its metadata too and it is \
-                     synced in full from its peer",
-                    d.name,
-                    meta_path.display(),
-                    image.display()
-                )));
-            }
-        }
-        let cache_file = cache_files[i].take();
-        let backing = open_disk(i, d, &node.data_dir)?;
-        let local = match (&d.cache, cache_file) {
-            (Some(c), Some(file)) => {
-                let (cache, line) = open_cache(i, d, c, file, backing, d.peer.is_some()).await?;
-                cache_lines.push(line);
-                background.push(tokio::spawn(watch_cache(
-                    d.name.clone(),
-                    Arc::downgrade(&cache),
-                )));
-                caches.push(CachedDisk {
-                    name: d.name.clone(),
-                    cache: Arc::clone(&cache),
-                });
-                cache as Arc<dyn BlockDevice>
-            }
-            _ => backing,
-        };
-        let device: Arc<dyn BlockDevice> = match d.peer {
-            None => local,
-            Some(peer_id) => {
-                let Some(peer) = config.peer.iter().find(|p| p.id == peer_id) else {
-                    return Err(StartError::Config(format!(
-                        "key `disk[{i}].peer`: no [[peer]] with id {peer_id}"
-                    )));
-                };
-                let g = local.geometry();
-                let mut cfg = MirrorConfig::new(
-                    node.id,
-                    peer_id,
-                    DiskId::from_name(&d.name),
-                    &d.name,
-                    g.size(),
-                    g.block_size(),
-                );
-                cfg.peer_timeout = Duration::from_millis(node.peer_timeout_ms);
-                // Several pings per timeout, so one late ping never loses the peer.
-                cfg.ping_interval = cfg.ping_interval.min(cfg.peer_timeout / 4);
-                cfg.connect_timeout = Duration::from_millis(node.peer_timeout_ms);
-                cfg.quorum = quorum;
-                cfg.seed = rand::random();
-                let key = |k: &str| format!("key `disk[{i}].{k}`");
-                cfg.split_brain = match d
-                    .split_brain_policy()
-                    .map_err(|m| StartError::Config(format!("{}: {m}", key("split_brain"))))?
-                {
-                    SplitBrain::Refuse => SplitBrainPolicy::Refuse,
-                    SplitBrain::DiscardZeroChanges => SplitBrainPolicy::DiscardZeroChanges,
-                    SplitBrain::DiscardLeastChanges => SplitBrainPolicy::DiscardLeastChanges,
-                    SplitBrain::DiscardNode(id) => SplitBrainPolicy::DiscardNode(id),
-                };
-                cfg.resync.rate = match d
-                    .rate()
-                    .map_err(|m| StartError::Config(format!("{}: {m}", key("resync_rate"))))?
-                {
-                    Rate::Dynamic => ResyncRate::Dynamic { max: 0 },
-                    Rate::Fixed(r) => ResyncRate::Fixed(r),
-                };
-                let chunk = d.bitmap_chunk.map_or(DEFAULT_CHUNK_SIZE, |c| c.0);
-                let replica = open_replica(d, &node.data_dir, &cfg, chunk, local).await?;
-                let disk = MirroredDisk::start(cfg, replica, witness.clone())
-                    .map_err(|e| StartError::Runtime(e.to_string()))?;
-                if discard.contains(&d.name) {
-                    disk.discard_my_data();
-                }
-                background.push(tokio::spawn(report(disk.clone())));
-                if node.id < peer_id {
-                    info!(disk = %d.name, peer = peer_id, address = %peer.address,
-                        "mirroring: dialing the peer");
-                    background.push(tokio::spawn(dial_loop(
-                        Arc::clone(&peer_transports[&peer_id].dial),
-                        peer.address.clone(),
-                        disk.clone(),
-                    )));
-                } else if replication.is_none() {
-                    return Err(StartError::Config(format!(
-                        "key `node.listen`: disk {:?} mirrors with node {peer_id}, which dials \
-                         this node; set node.listen",
-                        d.name
-                    )));
-                } else {
-                    info!(disk = %d.name, peer = peer_id, "mirroring: waiting for the peer to connect");
-                }
-                mirrored.insert(d.name.clone(), disk.clone());
-                mirrors.push(disk.clone());
-                Arc::new(disk)
-            }
-        };
-        disks.push(Disk {
-            name: d.name.clone(),
-            device,
-        });
-    }
-    if let Some(l) = replication {
-        background.push(tokio::spawn(accept_loop(l, mirrored)));
-    }
-
-    let mut servers = Vec::new();
-    let mut ready_lines = cache_lines;
-    ready_lines.extend(ready_lines_pre);
-    for (addr, members, listener) in bound {
-        let shown = match &listener {
-            Listener::Tcp(l) => l
-                .local_addr()
-                .map(|a| a.to_string())
-                .unwrap_or_else(|_| addr.to_string()),
-            Listener::Unix(_, p) => format!("unix:{}", p.display()),
-        };
-        let mut exports = Vec::new();
-        for &i in &members {
-            let disk = &disks[i];
-            ready_lines.push(format!("ready disk={} nbd={shown}", disk.name));
-            exports.push(
-                Export::new(&disk.name, Arc::clone(&disk.device))
-                    .with_description(format!("vsan disk {}", disk.name)),
-            );
-        }
-        let server = Server::new(exports).map_err(|e| StartError::Config(e.to_string()))?;
-        servers.push((server, listener));
-    }
-
-    let mut tasks = Vec::new();
-    let mut sockets = Vec::new();
-    let mut running = Vec::new();
-    for (server, listener) in servers {
-        let s = server.clone();
-        tasks.push(match listener {
-            Listener::Tcp(l) => tokio::spawn(async move { s.serve_tcp(l).await }),
-            Listener::Unix(l, path) => {
-                sockets.push(path);
-                tokio::spawn(async move { s.serve_unix(l).await })
-            }
-        });
-        running.push(server);
-    }
-    let servers = running;
     // Signal handlers before the ready lines: a signal sent as soon as the node says it
     // is ready must find them.
     let signals = Signals::new().map_err(StartError::Runtime)?;
-    for line in &ready_lines {
-        println!("{line}");
+    for line in node.ready_lines() {
+        say(line);
     }
-    info!(
-        disks = disks.len(),
-        exports = ready_lines
-            .iter()
-            .filter(|l| l.starts_with("ready disk="))
-            .count(),
-        "vsan-node ready"
-    );
-
+    info!("vsan-node ready");
     signals.wait(&mirrors).await;
-    info!("shutting down: no new connections or requests; finishing requests in flight");
-    for server in &servers {
-        server.shutdown();
-    }
-    for t in tasks {
-        let _ = t.await;
-    }
-    let drained = tokio::time::timeout(DRAIN_TIMEOUT, async {
-        for server in &servers {
-            server.wait_idle().await;
-        }
-    })
-    .await;
-    if drained.is_err() {
-        warn!("some clients did not finish within {DRAIN_TIMEOUT:?}; closing them");
-    }
-    let mut failed = false;
-    for disk in &disks {
-        match disk.device.flush().await {
-            Ok(()) => info!(disk = %disk.name, "flushed"),
-            Err(e) => {
-                error!(disk = %disk.name, "final flush failed: {e}");
-                failed = true;
-            }
-        }
-    }
-    for task in &background {
+    drop(mirrors);
+    for task in &reporters {
         task.abort();
     }
-    for task in background {
-        // An aborted task has dropped what it held once this returns.
+    for task in reporters {
         let _ = task.await;
     }
-    for disk in &mirrors {
-        match tokio::time::timeout(DRAIN_TIMEOUT, disk.close()).await {
-            Ok(Ok(())) => info!(disk = disk.name(), "metadata marked clean"),
-            Ok(Err(e)) => warn!(disk = disk.name(), "closing the mirror failed: {e}"),
-            Err(_) => warn!(disk = disk.name(), "closing the mirror timed out"),
-        }
-    }
-    // Caches last: everything above them is closed; a cache refuses I/O once closed.
-    drop(servers);
-    drop(disks);
-    drop(mirrors);
-    for c in caches {
-        if !close_cache(c).await {
-            failed = true;
-        }
-    }
-    for path in &sockets {
-        let _ = std::fs::remove_file(path);
-    }
-    if failed {
-        return Err(StartError::Runtime(
-            "final flush or cache close failed; data may not be durable".into(),
-        ));
-    }
+    node.shutdown().await.map_err(StartError::Runtime)?;
     info!("vsan-node stopped cleanly");
     Ok(())
-}
-
-/// Open (or create) disk `i` of the config.
-fn open_disk(
-    i: usize,
-    d: &DiskSection,
-    data_dir: &Path,
-) -> Result<Arc<dyn BlockDevice>, StartError> {
-    let key = |k: &str| format!("key `disk[{i}].{k}`");
-    match d.backing {
-        Backing::Mem => {
-            let g = Geometry::new(d.size.0, d.block_size())
-                .map_err(|e| StartError::Config(format!("{}: {e}", key("size"))))?;
-            info!(disk = %d.name, size = d.size.0, "RAM disk created");
-            Ok(Arc::new(MemDevice::new(g)))
-        }
-        Backing::File => {
-            let path = d.image_path(data_dir);
-            if let Some(parent) = path.parent() {
-                std::fs::create_dir_all(parent).map_err(|e| {
-                    StartError::Runtime(format!("cannot create {}: {e}", parent.display()))
-                })?;
-            }
-            let existed = path.exists();
-            let dev = FileOptions::new()
-                .block_size(d.block_size())
-                .direct(d.direct)
-                .create(d.size.0)
-                .open(&path)
-                .map_err(|e| match e.kind() {
-                    ErrorKind::InvalidArgument => {
-                        StartError::Config(format!("{}: {e}", key("size")))
-                    }
-                    _ => StartError::Runtime(format!("disk {}: {e}", d.name)),
-                })?;
-            info!(disk = %d.name, path = %path.display(), size = d.size.0, direct = d.direct,
-                "{}", if existed { "image opened" } else { "image created" });
-            Ok(Arc::new(dev))
-        }
-    }
-}
-
-/// What a disk's cache file holds, learnt before anything is created or opened.
-enum CacheFile {
-    /// Missing, or never written (all zeros where the superblocks go): format it, at
-    /// `len` bytes.
-    Blank { len: u64 },
-    /// A formatted cache device.
-    Formatted { sb: CacheSuperblock },
-}
-
-/// Look at disk `i`'s cache file and check it against the config: a missing file needs
-/// `size`; an existing one must have the size `size` gives (when given), and, when
-/// formatted, belong to a disk of this size and block size (exit 2 otherwise). A file
-/// with data but no cache superblock is not formatted over, and a cache holding data for
-/// an image that is gone is not replayed onto a new one (exit 1).
-fn inspect_cache(
-    i: usize,
-    d: &DiskSection,
-    c: &CacheSection,
-    data_dir: &Path,
-) -> Result<CacheFile, StartError> {
-    let key = |k: &str| format!("key `disk[{i}].cache.{k}`");
-    let path = &c.path;
-    let shown = path.display();
-    let meta = match std::fs::metadata(path) {
-        Ok(m) => m,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return match c.size {
-                Some(size) => Ok(CacheFile::Blank { len: size.0 }),
-                None => Err(StartError::Config(format!(
-                    "{}: the cache file {shown} does not exist; give its size to create it",
-                    key("size")
-                ))),
-            };
-        }
-        Err(e) => {
-            return Err(StartError::Runtime(format!(
-                "disk {}: cache file {shown}: {e}",
-                d.name
-            )));
-        }
-    };
-    if !meta.is_file() {
-        return Err(StartError::Config(format!(
-            "{}: {shown} is not a regular file (the cache maps a file: one on a DAX file \
-             system for persistent memory, or on an NVMe SSD)",
-            key("path")
-        )));
-    }
-    let len = meta.len();
-    let head = {
-        use std::io::Read;
-        let mut buf = Vec::new();
-        std::fs::File::open(path)
-            .and_then(|f| f.take(cache_format::LOG_START).read_to_end(&mut buf))
-            .map_err(|e| {
-                StartError::Runtime(format!("disk {}: cache file {shown}: {e}", d.name))
-            })?;
-        buf
-    };
-    let sb = if head.len() as u64 == cache_format::LOG_START {
-        let (copy0, copy1) = head.split_at(cache_format::SUPERBLOCK_LEN);
-        cache_format::pick(copy0, copy1)
-    } else {
-        Err(cache_format::FormatError::Short {
-            what: "cache device",
-            len: head.len(),
-            need: cache_format::LOG_START as usize,
-        })
-    };
-    let sb = match sb {
-        Ok(sb) => sb,
-        Err(_) if head.iter().all(|&b| b == 0) => {
-            return match c.size {
-                Some(size) if size.0 < len => Err(StartError::Config(format!(
-                    "{}: the cache file {shown} is {len} bytes, more than the {} bytes given",
-                    key("size"),
-                    size.0
-                ))),
-                // A shorter file is extended.
-                Some(size) => Ok(CacheFile::Blank { len: size.0 }),
-                None if len < vsan_examples::config::MIN_CACHE_SIZE => {
-                    Err(StartError::Config(format!(
-                        "{}: the cache file {shown} is only {len} bytes; give the size to \
-                         make it (at least {} bytes)",
-                        key("size"),
-                        vsan_examples::config::MIN_CACHE_SIZE
-                    )))
-                }
-                None => Ok(CacheFile::Blank { len }),
-            };
-        }
-        Err(e) => {
-            return Err(StartError::Runtime(format!(
-                "disk {}: refusing to use {shown} as its cache: it holds data but no vsan \
-                 cache superblock ({e}); it is not formatted over: remove the file (or zero \
-                 its first 8 KiB) to have it formatted anew",
-                d.name
-            )));
-        }
-    };
-    if let Some(size) = c.size
-        && size.0 != len
-    {
-        return Err(StartError::Config(format!(
-            "{}: the cache file {shown} is a formatted cache of {len} bytes, not {}: leave \
-             size out or give the file's size",
-            key("size"),
-            size.0
-        )));
-    }
-    if sb.backing_size != d.size.0 || sb.backing_block_size != d.block_size() {
-        return Err(StartError::Config(format!(
-            "{}: the cache file {shown} was formatted for a disk of {} bytes in {}-byte blocks; \
-             disk {} has {} bytes in {}-byte blocks",
-            key("path"),
-            sb.backing_size,
-            sb.backing_block_size,
-            d.name,
-            d.size.0,
-            d.block_size()
-        )));
-    }
-    let holds_data = !(sb.clean_shutdown && sb.head == sb.tail);
-    if d.backing == Backing::File && holds_data && !d.image_path(data_dir).exists() {
-        return Err(StartError::Runtime(format!(
-            "disk {}: refusing to attach: the cache {shown} holds writes for the image {}, \
-             which does not exist; replaying them onto a new image would make a disk that \
-             never was: remove the cache file too",
-            d.name,
-            d.image_path(data_dir).display()
-        )));
-    }
-    Ok(CacheFile::Formatted { sb })
-}
-
-/// Map disk `i`'s cache file, format it when it is blank (or when the backing store is
-/// RAM, which holds nothing to recover), and open the cache over `backing`. Returns the
-/// cache and its `cache disk=...` report line.
-async fn open_cache(
-    i: usize,
-    d: &DiskSection,
-    c: &CacheSection,
-    file: CacheFile,
-    backing: Arc<dyn BlockDevice>,
-    mirrored: bool,
-) -> Result<(Arc<WriteBackCache>, String), StartError> {
-    let shown = c.path.display();
-    let key = |k: &str| format!("key `disk[{i}].cache.{k}`");
-    let mut cfg = c
-        .settings()
-        .map_err(|(k, m)| StartError::Config(format!("{}: {m}", key(k))))?;
-    let mode = c
-        .cache_mode()
-        .map_err(|m| StartError::Config(format!("{}: {m}", key("mode"))))?;
-    // Under a mirror the peer holds what a failed cache device lost: serve the older
-    // data and let the mirror resync this replica. Alone, nothing else holds it.
-    cfg.data_loss = if mirrored {
-        DataLoss::ServeBacking
-    } else {
-        DataLoss::FailReads
-    };
-    let runtime = |e: vsan_core::Error| {
-        StartError::Runtime(format!("disk {}: cache file {shown}: {e}", d.name))
-    };
-    let (fast, format_why) = match file {
-        CacheFile::Blank { len } => {
-            if let Some(parent) = c.path.parent() {
-                std::fs::create_dir_all(parent).map_err(|e| {
-                    StartError::Runtime(format!("cannot create {}: {e}", parent.display()))
-                })?;
-            }
-            let fast = FastDevice::map_file(&c.path, Some(len)).map_err(runtime)?;
-            (fast, Some("new"))
-        }
-        CacheFile::Formatted { sb } => {
-            let fast = FastDevice::map_file(&c.path, None).map_err(runtime)?;
-            let why =
-                (d.backing == Backing::Mem).then_some(if sb.clean_shutdown && sb.head == sb.tail {
-                    "the backing store is RAM"
-                } else {
-                    "the backing store is RAM: its cached writes belong to a disk that is gone"
-                });
-            (fast, why)
-        }
-    };
-    let formatted = format_why.is_some();
-    if let Some(why) = format_why {
-        WriteBackCache::format(&fast, backing.as_ref(), mode)
-            .await
-            .map_err(|e| match e.kind() {
-                ErrorKind::InvalidArgument => StartError::Config(format!("{}: {e}", key("size"))),
-                _ => runtime(e),
-            })?;
-        info!(disk = %d.name, path = %shown, size = fast.len(), mode = cache_mode_word(mode),
-            "cache file formatted ({why})");
-    }
-    let cache = WriteBackCache::open(fast, backing, cfg)
-        .await
-        .map_err(|e| match e.kind() {
-            ErrorKind::InvalidArgument => StartError::Config(format!("{}: {e}", key("path"))),
-            _ => StartError::Runtime(format!(
-                "disk {}: refusing to attach the cache {shown}: {e}",
-                d.name
-            )),
-        })?;
-    let r = cache.recovery().clone();
-    let s = cache.stats();
-    let open = if formatted {
-        "formatted"
-    } else if r.clean {
-        "clean"
-    } else {
-        "recovered"
-    };
-    if r.clean {
-        info!(disk = %d.name, path = %shown, mode = cache_mode_word(s.mode),
-            log_bytes = s.log_bytes, "cache opened ({open})");
-    } else {
-        info!(disk = %d.name, path = %shown, mode = cache_mode_word(s.mode),
-            records = r.records, bytes = r.bytes, dirty_blocks = s.dirty_blocks,
-            stopped = %r.stopped,
-            "cache crash recovery: {} records replayed", r.records);
-    }
-    let line = format!(
-        "cache disk={} mode={} open={open} records={} dirty_bytes={} log_bytes={}",
-        d.name,
-        cache_mode_word(s.mode),
-        r.records,
-        s.dirty_bytes,
-        s.log_bytes
-    );
-    Ok((Arc::new(cache), line))
 }
 
 /// Say once on stdout (`problem disk=<name> ...`) when a disk's cache device fails: the
@@ -801,69 +181,6 @@ async fn watch_cache(name: String, cache: Weak<WriteBackCache>) {
         }
     }
 }
-
-/// Close a disk's cache: destage everything, flush the backing store, mark the cache
-/// device clean (the next start scans nothing), and log its counters. Returns whether it
-/// closed cleanly.
-async fn close_cache(c: CachedDisk) -> bool {
-    let CachedDisk { name, cache: own } = c;
-    let closed = tokio::time::timeout(DRAIN_TIMEOUT, own.close()).await;
-    log_cache_stats(&name, &own);
-    match closed {
-        Ok(Ok(())) => {
-            info!(disk = %name, "cache closed: everything destaged, marked clean");
-            true
-        }
-        Ok(Err(e)) => {
-            error!(disk = %name, "closing the cache failed: {e}");
-            false
-        }
-        Err(_) => {
-            error!(disk = %name, "closing the cache timed out after {DRAIN_TIMEOUT:?}");
-            false
-        }
-    }
-}
-
-fn log_cache_stats(name: &str, cache: &WriteBackCache) {
-    let s = cache.stats();
-    info!(
-        disk = %name,
-        mode = cache_mode_word(s.mode),
-        state = ?s.state,
-        read_hits = s.read_hits,
-        read_misses = s.read_misses,
-        cached_bytes = s.cached_bytes,
-        bypassed_bytes = s.bypassed_bytes,
-        destaged_bytes = s.destaged_bytes,
-        destage_epochs = s.destage_epochs,
-        commits = s.commits,
-        appends = s.appends,
-        dirty_bytes = s.dirty_bytes,
-        data_loss_count = s.data_loss_count,
-        "cache stats"
-    );
-}
-
-async fn bind(addr: &NbdAddr) -> std::io::Result<Listener> {
-    match addr {
-        NbdAddr::Tcp(a) => Ok(Listener::Tcp(TcpListener::bind(a).await?)),
-        NbdAddr::Unix(p) => {
-            if p.exists() {
-                // A socket someone still answers on is in use; a dead one is stale.
-                if tokio::net::UnixStream::connect(p).await.is_ok() {
-                    return Err(std::io::Error::from(std::io::ErrorKind::AddrInUse));
-                }
-                std::fs::remove_file(p)?;
-            }
-            if let Some(parent) = p.parent() {
-                std::fs::create_dir_all(parent)?;
-            }
-            Ok(Listener::Unix(UnixListener::bind(p)?, p.clone()))
-        }
-    }
-}
-
 /// The signals the node answers.
 struct Signals {
     int: tokio::signal::unix::Signal,
@@ -940,48 +257,28 @@ fn role_word(r: SyncRole) -> &'static str {
         SyncRole::Target => "target",
     }
 }
-
-/// Open (or create) the metadata of a mirrored disk: `data_dir/<name>.meta` for file
-/// images, in memory for RAM disks.
-async fn open_replica(
-    d: &DiskSection,
-    data_dir: &Path,
-    cfg: &MirrorConfig,
-    chunk: u64,
-    local: Arc<dyn BlockDevice>,
-) -> Result<Replica, StartError> {
-    if d.backing == Backing::Mem {
-        return Replica::with_memory_meta(cfg, local)
-            .await
-            .map_err(|e| StartError::Runtime(format!("disk {}: {e}", d.name)));
-    }
-    let path = data_dir.join(format!("{}.meta", d.name));
-    let params = meta_params(cfg, chunk);
-    let (dev, loaded, created) = meta::open_or_create_file(&path, &params)
-        .await
-        .map_err(|e| StartError::Runtime(format!("disk {}: refusing to attach: {e}", d.name)))?;
-    let sb = &loaded.superblock;
-    info!(
-        disk = %d.name,
-        path = %path.display(),
-        current = format_args!("{:016x}", sb.generations.current),
-        dirty_chunks = loaded.bitmap.count(),
-        clean = sb.clean_shutdown,
-        "{}",
-        if created { "metadata created" } else { "metadata opened" }
-    );
-    Ok(Replica {
-        data: local,
-        meta: dev,
-        loaded,
-    })
-}
-
 /// Print a disk's resync progress and problems on stdout (see the module docs).
 async fn report(disk: MirroredDisk) {
     let name = disk.name().to_string();
     let mut status = disk.watch_status();
     let mut last = status.borrow().clone();
+    // The node started this disk before this task: say what already happened.
+    if last.link == LinkState::Connected {
+        say(&format!(
+            "link disk={name} connected transport={}",
+            last.link_transport.as_deref().unwrap_or("none")
+        ));
+    }
+    if last.syncing
+        && let Some(p) = disk.sync_progress()
+    {
+        say(&format!(
+            "sync disk={name} started kind={} role={} total={}",
+            kind_word(p.kind),
+            role_word(p.role),
+            p.total_bytes
+        ));
+    }
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     loop {
         tokio::select! {

@@ -14,7 +14,7 @@ use vsan_replica::transport::quic::{
 use vsan_replica::transport::rdma::{RdmaConfig, RdmaTransport};
 use vsan_replica::transport::{SharedSecret, TcpConfig, TcpTransport, Transport};
 
-use crate::config::PeerSection;
+use super::config::PeerSection;
 
 /// The transports for one peer.
 #[derive(Debug, Clone)]
