@@ -1,6 +1,7 @@
 //! Shared pieces of the vsan example programs (`vsan-node`, `vsan-demo`, `vsan-bench`).
 #![deny(missing_docs)]
 pub mod cache_bench;
+pub mod ffi_bench;
 pub mod latency;
 pub mod pattern;
 pub mod resync_bench;

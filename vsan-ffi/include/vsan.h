@@ -360,6 +360,20 @@ vsan_result vsan_node_new_from_file(const char *path, vsan_node **out);
 // read as a number).
 vsan_result vsan_node_free(vsan_node *node);
 
+// The address the node listens on for its peers (`node.listen` of its config, with the
+// actual port when the config said port 0: "127.0.0.1:40123", or a socket path), copied
+// NUL-terminated into `buf` (`len` bytes); its length without the NUL goes to
+// `*out_len` when `out_len` is not NULL. `VSAN_ERR_BUFFER_TOO_SMALL` when it does not
+// fit (nothing written to `buf`, `*out_len` says how long it is); `VSAN_ERR_NOT_FOUND`
+// when the node does not listen.
+//
+// Thread-safe; does not block.
+//
+// # Safety
+// `node` must be a handle (checked); `buf` valid for writes of `len` bytes (or NULL
+// with `len` 0); `out_len` valid for one write or NULL.
+vsan_result vsan_node_replication_address(vsan_node *node, char *buf, size_t len, size_t *out_len);
+
 // Open the node's disk called `name` (NUL-terminated). On success writes a new handle to
 // `*out`; close it with `vsan_disk_free`. A disk may be opened more than once; each
 // handle is closed on its own. `VSAN_ERR_NOT_FOUND` when the node has no such disk.
@@ -507,6 +521,8 @@ vsan_result vsan_disk_write_zeroes(vsan_disk *disk, uint64_t offset, uint64_t le
 // `buf` must stay valid, and must not be read or written by the caller, until the
 // callback runs: it is filled just before.
 //
+// Thread-safe; does not block (may be called from a callback).
+//
 // # Safety
 // `disk` must be a handle (checked); `buf` valid for writes of `len` bytes until the
 // callback (or NULL); `callback` a function that may be called from another thread.
@@ -521,6 +537,7 @@ vsan_result vsan_disk_submit_read(vsan_disk *disk,
 // Submit a write of `len` bytes from `buf` at `offset` (`flags`: 0 or `VSAN_IO_FUA`);
 // the callback runs once both replicas acknowledged it (see `vsan_disk_submit_read` for
 // the rules). The data is copied before this call returns: `buf` may be reused at once.
+// Thread-safe; does not block.
 //
 // # Safety
 // `disk` must be a handle (checked); `buf` valid for reads of `len` bytes during the
@@ -535,7 +552,7 @@ vsan_result vsan_disk_submit_write(vsan_disk *disk,
                                    uint64_t tag);
 
 // Submit a flush: the callback runs once every write acknowledged before this call is
-// durable. See `vsan_disk_submit_read` for the rules.
+// durable. See `vsan_disk_submit_read` for the rules. Thread-safe; does not block.
 //
 // # Safety
 // `disk` must be a handle (checked); `callback` a function that may be called from
@@ -546,7 +563,7 @@ vsan_result vsan_disk_submit_flush(vsan_disk *disk,
                                    uint64_t tag);
 
 // Submit a discard of `len` bytes at `offset` (`flags`: 0 or `VSAN_IO_FUA`). See
-// `vsan_disk_submit_read` for the rules.
+// `vsan_disk_submit_read` for the rules. Thread-safe; does not block.
 //
 // # Safety
 // `disk` must be a handle (checked); `callback` a function that may be called from
@@ -560,7 +577,7 @@ vsan_result vsan_disk_submit_discard(vsan_disk *disk,
                                      uint64_t tag);
 
 // Submit a zeroing of `len` bytes at `offset` (`flags`: 0 or `VSAN_IO_FUA`). See
-// `vsan_disk_submit_read` for the rules.
+// `vsan_disk_submit_read` for the rules. Thread-safe; does not block.
 //
 // # Safety
 // `disk` must be a handle (checked); `callback` a function that may be called from

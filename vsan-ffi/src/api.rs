@@ -319,6 +319,51 @@ pub unsafe extern "C" fn vsan_node_free(node: *mut vsan_node) -> crate::vsan_res
     })
 }
 
+/// The address the node listens on for its peers (`node.listen` of its config, with the
+/// actual port when the config said port 0: "127.0.0.1:40123", or a socket path), copied
+/// NUL-terminated into `buf` (`len` bytes); its length without the NUL goes to
+/// `*out_len` when `out_len` is not NULL. `VSAN_ERR_BUFFER_TOO_SMALL` when it does not
+/// fit (nothing written to `buf`, `*out_len` says how long it is); `VSAN_ERR_NOT_FOUND`
+/// when the node does not listen.
+///
+/// Thread-safe; does not block.
+///
+/// # Safety
+/// `node` must be a handle (checked); `buf` valid for writes of `len` bytes (or NULL
+/// with `len` 0); `out_len` valid for one write or NULL.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn vsan_node_replication_address(
+    node: *mut vsan_node,
+    buf: *mut c_char,
+    len: usize,
+    out_len: *mut usize,
+) -> crate::vsan_result {
+    call("vsan_node_replication_address", || {
+        let n = handles::node(node)?;
+        let _in = n.enter()?;
+        let addr = n
+            .node
+            .lock()
+            .as_ref()
+            .and_then(|inner| inner.replication_address().map(str::to_string))
+            .ok_or_else(|| {
+                (
+                    VSAN_ERR_NOT_FOUND,
+                    "the node does not listen for peers".into(),
+                )
+            })?;
+        // SAFETY: the caller's contract is `copy_string`'s.
+        match unsafe { crate::copy_string(&addr, buf, len, out_len) } {
+            crate::VSAN_OK => Ok(()),
+            crate::VSAN_ERR_BUFFER_TOO_SMALL => Err((
+                crate::VSAN_ERR_BUFFER_TOO_SMALL,
+                format!("the address needs {} bytes with its NUL", addr.len() + 1),
+            )),
+            code => Err((code, "bad buffer arguments".into())),
+        }
+    })
+}
+
 /// Open the node's disk called `name` (NUL-terminated). On success writes a new handle to
 /// `*out`; close it with `vsan_disk_free`. A disk may be opened more than once; each
 /// handle is closed on its own. `VSAN_ERR_NOT_FOUND` when the node has no such disk.

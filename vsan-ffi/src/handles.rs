@@ -210,3 +210,13 @@ pub(crate) fn unregister_disk(h: *const vsan_disk) -> Result<Arc<DiskObj>, Failu
         None => Err(bad("disk", h as usize)),
     }
 }
+
+/// For Rust programs that hold C handles (and the overhead benchmark): the device behind
+/// a disk handle and the runtime its node runs on, or `None` for a closed or unknown
+/// handle.
+pub fn disk_for_rust(
+    h: *mut vsan_disk,
+) -> Option<(Arc<dyn vsan_core::BlockDevice>, tokio::runtime::Handle)> {
+    let d = disk(h).ok()?;
+    Some((Arc::clone(&d.disk.device), d.node.handle.clone()))
+}

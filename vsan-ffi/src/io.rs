@@ -347,6 +347,8 @@ pub unsafe extern "C" fn vsan_disk_write_zeroes(
 /// `buf` must stay valid, and must not be read or written by the caller, until the
 /// callback runs: it is filled just before.
 ///
+/// Thread-safe; does not block (may be called from a callback).
+///
 /// # Safety
 /// `disk` must be a handle (checked); `buf` valid for writes of `len` bytes until the
 /// callback (or NULL); `callback` a function that may be called from another thread.
@@ -370,6 +372,7 @@ pub unsafe extern "C" fn vsan_disk_submit_read(
 /// Submit a write of `len` bytes from `buf` at `offset` (`flags`: 0 or `VSAN_IO_FUA`);
 /// the callback runs once both replicas acknowledged it (see `vsan_disk_submit_read` for
 /// the rules). The data is copied before this call returns: `buf` may be reused at once.
+/// Thread-safe; does not block.
 ///
 /// # Safety
 /// `disk` must be a handle (checked); `buf` valid for reads of `len` bytes during the
@@ -405,7 +408,7 @@ pub unsafe extern "C" fn vsan_disk_submit_write(
 }
 
 /// Submit a flush: the callback runs once every write acknowledged before this call is
-/// durable. See `vsan_disk_submit_read` for the rules.
+/// durable. See `vsan_disk_submit_read` for the rules. Thread-safe; does not block.
 ///
 /// # Safety
 /// `disk` must be a handle (checked); `callback` a function that may be called from
@@ -427,7 +430,7 @@ pub unsafe extern "C" fn vsan_disk_submit_flush(
 }
 
 /// Submit a discard of `len` bytes at `offset` (`flags`: 0 or `VSAN_IO_FUA`). See
-/// `vsan_disk_submit_read` for the rules.
+/// `vsan_disk_submit_read` for the rules. Thread-safe; does not block.
 ///
 /// # Safety
 /// `disk` must be a handle (checked); `callback` a function that may be called from
@@ -454,7 +457,7 @@ pub unsafe extern "C" fn vsan_disk_submit_discard(
 }
 
 /// Submit a zeroing of `len` bytes at `offset` (`flags`: 0 or `VSAN_IO_FUA`). See
-/// `vsan_disk_submit_read` for the rules.
+/// `vsan_disk_submit_read` for the rules. Thread-safe; does not block.
 ///
 /// # Safety
 /// `disk` must be a handle (checked); `callback` a function that may be called from

@@ -52,7 +52,7 @@ mod io;
 pub mod node;
 
 pub use api::*;
-pub use handles::{vsan_disk, vsan_node};
+pub use handles::{disk_for_rust, vsan_disk, vsan_node};
 pub use io::*;
 
 /// A result code: [`VSAN_OK`] (0) or an error. See `vsan_result_str`.
@@ -251,27 +251,47 @@ pub unsafe extern "C" fn vsan_last_error_message(
 ) -> vsan_result {
     let message = LAST_ERROR.with(|m| m.borrow().clone());
     // The call's own failure must not replace the message it is reading.
-    let result = catch_unwind(AssertUnwindSafe(|| {
-        if buf.is_null() && len != 0 {
-            return VSAN_ERR_NULL_POINTER;
-        }
-        let bytes = message.as_bytes();
-        if !out_len.is_null() {
-            // SAFETY: the caller gives a valid pointer or NULL (checked).
-            unsafe { out_len.write(bytes.len()) };
-        }
-        if bytes.len() >= len {
-            return VSAN_ERR_BUFFER_TOO_SMALL;
-        }
-        // SAFETY: `buf` is valid for `len` bytes and `bytes.len() + 1 <= len`; the
-        // message is a Rust string, so it cannot overlap the caller's buffer.
-        unsafe {
-            std::ptr::copy_nonoverlapping(bytes.as_ptr(), buf.cast::<u8>(), bytes.len());
-            buf.add(bytes.len()).write(0);
-        }
-        VSAN_OK
+    // SAFETY: the caller's contract is `copy_string`'s.
+    let result = catch_unwind(AssertUnwindSafe(|| unsafe {
+        copy_string(&message, buf, len, out_len)
     }));
     result.unwrap_or(VSAN_ERR_PANIC)
+}
+
+/// Copy `text` into the caller's `buf` (`len` bytes), NUL-terminated, storing its length
+/// (without the NUL) in `*out_len` when `out_len` is not NULL, also when it does not fit
+/// ([`VSAN_ERR_BUFFER_TOO_SMALL`], nothing written to `buf`).
+///
+/// # Safety
+/// `buf` valid for writes of `len` bytes (or NULL with `len` 0); `out_len` valid for one
+/// write or NULL.
+pub(crate) unsafe fn copy_string(
+    text: &str,
+    buf: *mut c_char,
+    len: usize,
+    out_len: *mut usize,
+) -> vsan_result {
+    if buf.is_null() && len != 0 {
+        return VSAN_ERR_NULL_POINTER;
+    }
+    if !out_len.is_null() && (out_len as usize) % std::mem::align_of::<usize>() != 0 {
+        return VSAN_ERR_MISALIGNED;
+    }
+    let bytes = text.as_bytes();
+    if !out_len.is_null() {
+        // SAFETY: the caller gives a valid pointer or NULL (checked), aligned (checked).
+        unsafe { out_len.write(bytes.len()) };
+    }
+    if bytes.len() >= len {
+        return VSAN_ERR_BUFFER_TOO_SMALL;
+    }
+    // SAFETY: `buf` is valid for `len` bytes and `bytes.len() + 1 <= len`; the text is
+    // the library's own string, so it cannot overlap the caller's buffer.
+    unsafe {
+        std::ptr::copy_nonoverlapping(bytes.as_ptr(), buf.cast::<u8>(), bytes.len());
+        buf.add(bytes.len()).write(0);
+    }
+    VSAN_OK
 }
 
 #[cfg(test)]

@@ -16,7 +16,7 @@ use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
-use vsan_examples::{cache_bench, latency, resync_bench, transport_bench};
+use vsan_examples::{cache_bench, ffi_bench, latency, resync_bench, transport_bench};
 
 #[derive(Parser, Debug)]
 #[command(version, about = "vsan benchmarks against the tools users run today")]
@@ -140,6 +140,22 @@ enum Cmd {
         /// O_DIRECT replicas and baseline copy (disk-bound, not page-cache-bound).
         #[arg(long)]
         direct: bool,
+    },
+    /// The C ABI's cost per operation: 4 KiB reads of one RAM disk through the Rust API
+    /// and through the C functions (blocking and asynchronous submit), QD1 and QD32.
+    Ffi {
+        /// Reads per case per round.
+        #[arg(long, default_value_t = 200_000)]
+        count: u32,
+        /// Rounds (cases in rotating order).
+        #[arg(long, default_value_t = 5)]
+        rounds: u32,
+        /// Disk size in MiB.
+        #[arg(long, default_value_t = 256)]
+        size_mib: u64,
+        /// Worker threads of the node's runtime.
+        #[arg(long, default_value_t = 2)]
+        threads: usize,
     },
     /// The write-back cache (fast device: a mapped file on tmpfs) against its backing
     /// file alone with durable writes: QD1 latency, the cache's software overhead, QD32
@@ -272,6 +288,18 @@ fn main() -> ExitCode {
             depth,
             rounds,
             dir: work_dir.unwrap_or_else(default_dir),
+        })
+        .map_err(|e| -> BoxError { e.to_string().into() }),
+        Cmd::Ffi {
+            count,
+            rounds,
+            size_mib,
+            threads,
+        } => ffi_bench::run(ffi_bench::Opts {
+            count,
+            rounds,
+            size_mib,
+            threads,
         })
         .map_err(|e| -> BoxError { e.to_string().into() }),
         Cmd::Cache {

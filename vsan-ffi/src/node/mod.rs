@@ -110,6 +110,7 @@ pub struct Node {
     background: Vec<JoinHandle<()>>,
     sockets: Vec<PathBuf>,
     ready_lines: Vec<String>,
+    replication_address: Option<String>,
 }
 
 impl std::fmt::Debug for Node {
@@ -140,6 +141,12 @@ impl Node {
     /// The disk called `name`.
     pub fn disk(&self, name: &str) -> Option<&NodeDisk> {
         self.disks.iter().find(|d| d.name == name)
+    }
+
+    /// The address the node listens on for its peers (`node.listen`, with the actual port
+    /// when the config said port 0), if it listens.
+    pub fn replication_address(&self) -> Option<&str> {
+        self.replication_address.as_deref()
     }
 
     /// What the node reports once started, one line each: per cached disk
@@ -249,12 +256,14 @@ impl Node {
             Some((_, p)) => Arc::clone(&peer_transports[&p.id].listen),
             None => Arc::new(TcpTransport::new()),
         };
+        let mut replication_address = None;
         let replication = match &node.listen {
             Some(addr) => {
                 let transport = &listen_transport;
                 let l = transport.listen(addr).await.map_err(|e| {
                     StartError::Config(format!("key `node.listen`: cannot listen on {addr}: {e}"))
                 })?;
+                replication_address = Some(l.local_addr());
                 ready_lines_pre.push(format!("ready replication={}", l.local_addr()));
                 Some(l)
             }
@@ -447,6 +456,7 @@ impl Node {
             background: background.into_inner(),
             sockets,
             ready_lines,
+            replication_address,
         })
     }
 
