@@ -27,6 +27,7 @@
 //!    destager takes it from just under the high watermark towards the low one, and the
 //!    same with pacing off (`min_destage_rate` huge: full speed), alternating in rounds.
 
+use crate::median;
 use std::fs::File;
 use std::io::Write;
 use std::os::fd::AsRawFd;
@@ -119,16 +120,6 @@ fn hist() -> Result<Histogram<u64>, BoxError> {
 
 fn us(h: &Histogram<u64>, q: f64) -> f64 {
     h.value_at_quantile(q) as f64 / 1000.0
-}
-
-fn median(v: &[f64]) -> f64 {
-    let mut v = v.to_vec();
-    v.sort_by(f64::total_cmp);
-    match v.len() {
-        0 => f64::NAN,
-        n if n % 2 == 1 => v[n / 2],
-        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-    }
 }
 
 fn verdict(met: bool) -> &'static str {

@@ -13,6 +13,7 @@
 //! The figure is nanoseconds per operation (total time / operations), the median over
 //! rounds, and the C case minus its Rust baseline. Target: at most 1 us added.
 
+use crate::median;
 use std::ffi::{CString, c_void};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -50,16 +51,6 @@ pub struct Opts {
 struct Cases {
     names: [&'static str; 5],
     ns: [Vec<f64>; 5],
-}
-
-fn median(v: &[f64]) -> f64 {
-    let mut v = v.to_vec();
-    v.sort_by(f64::total_cmp);
-    match v.len() {
-        0 => f64::NAN,
-        n if n % 2 == 1 => v[n / 2],
-        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-    }
 }
 
 fn check(r: vsan_result, what: &str) -> Result<(), BoxError> {

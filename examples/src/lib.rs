@@ -19,3 +19,14 @@ pub fn target_work_dir(name: &str) -> std::path::PathBuf {
         .and_then(|exe| exe.parent()?.parent().map(|t| t.join(name)))
         .unwrap_or_else(|| std::path::Path::new("target").join(name))
 }
+
+/// The median of `v` (NaN when empty).
+pub fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}

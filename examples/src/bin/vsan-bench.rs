@@ -16,7 +16,7 @@ use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
-use vsan_examples::{cache_bench, ffi_bench, latency, resync_bench, transport_bench};
+use vsan_examples::{cache_bench, ffi_bench, latency, median, resync_bench, transport_bench};
 
 #[derive(Parser, Debug)]
 #[command(version, about = "vsan benchmarks against the tools users run today")]
@@ -216,16 +216,6 @@ struct Sample {
     iops: Vec<f64>,
     p50_us: Vec<f64>,
     p99_us: Vec<f64>,
-}
-
-fn median(v: &[f64]) -> f64 {
-    let mut v = v.to_vec();
-    v.sort_by(f64::total_cmp);
-    match v.len() {
-        0 => f64::NAN,
-        n if n % 2 == 1 => v[n / 2],
-        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-    }
 }
 
 fn main() -> ExitCode {

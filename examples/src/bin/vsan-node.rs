@@ -257,41 +257,34 @@ fn role_word(r: SyncRole) -> &'static str {
         SyncRole::Target => "target",
     }
 }
+
 /// Print a disk's resync progress and problems on stdout (see the module docs).
 async fn report(disk: MirroredDisk) {
     let name = disk.name().to_string();
     let mut status = disk.watch_status();
     let mut last = status.borrow().clone();
-    // The node started this disk before this task: say what already happened.
-    if last.link == LinkState::Connected {
-        say(&format!(
-            "link disk={name} connected transport={}",
-            last.link_transport.as_deref().unwrap_or("none")
-        ));
-    }
-    if last.syncing
-        && let Some(p) = disk.sync_progress()
-    {
-        say(&format!(
-            "sync disk={name} started kind={} role={} total={}",
-            kind_word(p.kind),
-            role_word(p.role),
-            p.total_bytes
-        ));
-    }
+    // The node started the disk before this task: compare the first status with one
+    // where nothing has happened yet, so what already happened is said too.
+    last.link = LinkState::Waiting;
+    last.syncing = false;
+    last.last_sync = None;
+    last.last_problem = None;
     let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let mut first = true;
     loop {
-        tokio::select! {
-            r = status.changed() => if r.is_err() { return },
-            _ = tick.tick() => {
-                if let Some(p) = disk.sync_progress() {
-                    say(&format!(
-                        "sync disk={name} progress kind={} role={} percent={:.1} done={} total={} transferred={} rate={} eta_s={}",
-                        kind_word(p.kind), role_word(p.role), p.percent(), p.done_bytes, p.total_bytes,
-                        p.transferred_bytes, p.rate, p.eta.map_or(-1, |e| e.as_secs() as i64)
-                    ));
+        if !std::mem::take(&mut first) {
+            tokio::select! {
+                r = status.changed() => if r.is_err() { return },
+                _ = tick.tick() => {
+                    if let Some(p) = disk.sync_progress() {
+                        say(&format!(
+                            "sync disk={name} progress kind={} role={} percent={:.1} done={} total={} transferred={} rate={} eta_s={}",
+                            kind_word(p.kind), role_word(p.role), p.percent(), p.done_bytes, p.total_bytes,
+                            p.transferred_bytes, p.rate, p.eta.map_or(-1, |e| e.as_secs() as i64)
+                        ));
+                    }
+                    continue;
                 }
-                continue;
             }
         }
         let now = status.borrow_and_update().clone();
