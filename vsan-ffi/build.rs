@@ -1,11 +1,15 @@
 //! Sets the shared library's SONAME to `libvsan.so.<major>`, so programs linked against
-//! one major version never load another, and writes beside the built libraries (in
-//! `target/<profile>/`):
-//! - `libvsan.so.<major>`, a link to `libvsan.so` (what programs linked against it ask
-//!   the loader for);
-//! - `vsan.pc` and `vsan-static.pc`, pkg-config files for the built tree: with
+//! one major version never load another, and writes for the built tree:
+//! - `target/<profile>/deps/libvsan.so.<major>`, a link to `libvsan.so` (what programs
+//!   linked against it ask the loader for);
+//! - `target/<profile>/vsan.pc` and `vsan-static.pc`, pkg-config files: with
 //!   `PKG_CONFIG_PATH=target/release`, `pkg-config --cflags --libs vsan` links the
 //!   shared library and `pkg-config --cflags --libs vsan-static` the static one.
+//!
+//! The libraries they name are the ones in `target/<profile>/deps/`: cargo writes them
+//! there whenever it builds vsan-ffi, also as a dependency (as `cargo test --workspace`
+//! does), while it copies them up to `target/<profile>/` only for `cargo build -p
+//! vsan-ffi`; so the `deps/` ones are always the newest build.
 
 use std::path::{Path, PathBuf};
 
@@ -26,8 +30,9 @@ fn main() {
     };
     let manifest = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap_or_default());
     let include = manifest.join("include");
+    let lib_dir = profile_dir.join("deps");
     if target_os == "linux" {
-        let link = profile_dir.join(format!("libvsan.so.{major}"));
+        let link = lib_dir.join(format!("libvsan.so.{major}"));
         if std::fs::symlink_metadata(&link).is_err() {
             #[cfg(unix)]
             let _ = std::os::unix::fs::symlink("libvsan.so", &link);
@@ -39,7 +44,7 @@ fn main() {
     let common = format!(
         "includedir={}\nlibdir={}\n\nVersion: {version}\nCflags: -I${{includedir}}\n",
         include.display(),
-        profile_dir.display()
+        lib_dir.display()
     );
     let shared = format!(
         "{common}Name: vsan\nDescription: vsan, synchronously mirrored virtual disks (shared \

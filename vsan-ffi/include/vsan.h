@@ -135,8 +135,9 @@ typedef struct {
   uint32_t max_io;
 } vsan_geometry;
 
-// A snapshot of a disk's state. Fields that do not apply (mirror fields of a local
-// disk, cache fields of a disk without cache) are 0.
+// A snapshot of a disk's state (`vsan_disk_get_status`). Fields that do not apply
+// (mirror fields of a local disk, cache fields of a disk without cache) are 0, except
+// `quorum`, `sync_eta_s` and `last_sync_result`, which are -1 ("none").
 typedef struct {
   // Size in bytes.
   uint64_t size;
@@ -321,8 +322,9 @@ vsan_result vsan_last_error_message(char *buf, size_t len, size_t *out_len);
 //
 // On success writes the new handle to `*out`; close it with `vsan_node_free`. On failure
 // nothing is left open or running, and `vsan_last_error_message` names the key and the
-// problem (`VSAN_ERR_INVALID_ARGUMENT` for a bad config, `VSAN_ERR_IO` when an image,
-// metadata or cache file cannot be opened).
+// problem (`VSAN_ERR_INVALID_ARGUMENT` for a bad config, `VSAN_ERR_IN_USE` when an
+// address it names is taken, `VSAN_ERR_IO` when an image, metadata or cache file cannot
+// be opened or is refused).
 //
 // Thread-safe. Blocking: must not be called from a completion callback
 // (`VSAN_ERR_WRONG_THREAD`). `toml` is only read during the call.
@@ -410,7 +412,7 @@ vsan_result vsan_disk_geometry(vsan_disk *disk, vsan_geometry *out);
 //
 // # Safety
 // `disk` must be a handle (checked); `out` valid for one write (or NULL).
-vsan_result vsan_disk_status(vsan_disk *disk, vsan_disk_status *out);
+vsan_result vsan_disk_get_status(vsan_disk *disk, vsan_disk_status *out);
 
 // Wait until a mirrored disk is connected to its peer and no resync is running (both
 // replicas hold the same data and every write goes to both), for up to `timeout_ms`
@@ -426,7 +428,7 @@ vsan_result vsan_disk_wait_synced(vsan_disk *disk, uint32_t timeout_ms);
 // Start an online verify of a mirrored disk from this node: the two replicas are
 // compared by checksum and blocks that differ are repaired from this node. The disk
 // must be connected and in sync. Returns once the verify has started; watch
-// `vsan_disk_status` (`syncing`, `last_sync_result`, `last_sync_mismatches`).
+// `vsan_disk_get_status` (`syncing`, `last_sync_result`, `last_sync_mismatches`).
 // `VSAN_ERR_NOT_SUPPORTED` for a disk without a peer, `VSAN_ERR_INVALID_ARGUMENT` when
 // it cannot start now (the message says why).
 //
@@ -460,8 +462,10 @@ vsan_result vsan_disk_set_cache_mode(vsan_disk *disk, uint32_t mode);
 // Read `len` bytes at `offset` into `buf`, waiting for the data. `offset` and `len`
 // must be multiples of the block size, inside the disk, `len` at most `max_io`.
 // On a mirrored disk the read is served by the local replica when it is up to date,
-// else by the peer. `buf` is written only on success (on failure its content is
-// unspecified: it may have been partly written). `buf` needs no particular alignment.
+// else by the peer. A request that breaks these rules is refused before anything
+// happens (`VSAN_ERR_INVALID_ARGUMENT`, `VSAN_ERR_OUT_OF_RANGE`, `VSAN_ERR_OVERFLOW`)
+// and `buf` is left alone; `buf` is filled only when the read succeeded. `buf` needs no
+// particular alignment.
 //
 // Thread-safe: any number of threads may do I/O on one disk at once. Blocking: not from
 // a completion callback (`VSAN_ERR_WRONG_THREAD`). `buf` must stay valid for the call.
@@ -512,10 +516,10 @@ vsan_result vsan_disk_write_zeroes(vsan_disk *disk, uint64_t offset, uint64_t le
 // runs once it completes (see `vsan_completion` for which thread runs it: possibly
 // this one, before this call returns).
 //
-// Returns `VSAN_OK` when the read was accepted: the callback then runs exactly once.
-// Any other result means it was refused (bad arguments, closed handle): the callback
-// never runs. Alignment and range errors of the request itself (an offset past the
-// end) are reported through the callback. Many I/Os may be in flight at once, from any
+// Returns `VSAN_OK` when the read was accepted: the callback then runs exactly once,
+// with the result. Any other result means it was refused, and the callback never runs:
+// bad arguments (the same checks as `vsan_disk_read`: alignment, range, overflow,
+// NULLs), a closed handle, a closing node. Many I/Os may be in flight at once, from any
 // number of threads; they may complete in any order.
 //
 // `buf` must stay valid, and must not be read or written by the caller, until the

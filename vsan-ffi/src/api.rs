@@ -80,8 +80,9 @@ pub const VSAN_CACHE_STATE_CLOSED: u32 = 3;
 /// Length of `vsan_disk_status.transport`, NUL included.
 pub const VSAN_TRANSPORT_LEN: usize = 32;
 
-/// A snapshot of a disk's state. Fields that do not apply (mirror fields of a local
-/// disk, cache fields of a disk without cache) are 0.
+/// A snapshot of a disk's state (`vsan_disk_get_status`). Fields that do not apply
+/// (mirror fields of a local disk, cache fields of a disk without cache) are 0, except
+/// `quorum`, `sync_eta_s` and `last_sync_result`, which are -1 ("none").
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct vsan_disk_status {
@@ -200,6 +201,7 @@ fn open_node(config: Config, out: *mut *mut vsan_node) -> Result<(), Failure> {
         .block_on(Node::start(&config, StartOptions::default()))
         .map_err(|e| match e {
             StartError::Config(m) => (VSAN_ERR_INVALID_ARGUMENT, format!("config: {m}")),
+            StartError::AddressInUse(m) => (crate::VSAN_ERR_IN_USE, format!("config: {m}")),
             StartError::Runtime(m) => (VSAN_ERR_IO, m),
         });
     let node = match node {
@@ -225,8 +227,9 @@ fn open_node(config: Config, out: *mut *mut vsan_node) -> Result<(), Failure> {
 ///
 /// On success writes the new handle to `*out`; close it with `vsan_node_free`. On failure
 /// nothing is left open or running, and `vsan_last_error_message` names the key and the
-/// problem (`VSAN_ERR_INVALID_ARGUMENT` for a bad config, `VSAN_ERR_IO` when an image,
-/// metadata or cache file cannot be opened).
+/// problem (`VSAN_ERR_INVALID_ARGUMENT` for a bad config, `VSAN_ERR_IN_USE` when an
+/// address it names is taken, `VSAN_ERR_IO` when an image, metadata or cache file cannot
+/// be opened or is refused).
 ///
 /// Thread-safe. Blocking: must not be called from a completion callback
 /// (`VSAN_ERR_WRONG_THREAD`). `toml` is only read during the call.
@@ -395,7 +398,7 @@ pub unsafe extern "C" fn vsan_disk_open(
             node: Arc::clone(&n),
             disk,
             geometry,
-        }));
+        }))?;
         // SAFETY: checked by `out_ptr`.
         unsafe { out.write(h) };
         Ok(())
@@ -582,11 +585,11 @@ pub(crate) fn status_of(d: &DiskObj) -> vsan_disk_status {
 /// # Safety
 /// `disk` must be a handle (checked); `out` valid for one write (or NULL).
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn vsan_disk_status(
+pub unsafe extern "C" fn vsan_disk_get_status(
     disk: *mut vsan_disk,
     out: *mut vsan_disk_status,
 ) -> crate::vsan_result {
-    call("vsan_disk_status", || {
+    call("vsan_disk_get_status", || {
         out_ptr(out, "out")?;
         let d = handles::disk(disk)?;
         let s = status_of(&d);
@@ -621,8 +624,8 @@ pub unsafe extern "C" fn vsan_disk_wait_synced(
 ) -> crate::vsan_result {
     call("vsan_disk_wait_synced", || {
         let d = handles::disk(disk)?;
-        let m = mirror_of(&d)?.clone();
         not_in_callback()?;
+        let m = mirror_of(&d)?.clone();
         let _in = d.node.enter()?;
         let mut watch = m.watch_status();
         let ready = d.node.handle.block_on(async {
@@ -668,7 +671,7 @@ pub unsafe extern "C" fn vsan_disk_wait_synced(
 /// Start an online verify of a mirrored disk from this node: the two replicas are
 /// compared by checksum and blocks that differ are repaired from this node. The disk
 /// must be connected and in sync. Returns once the verify has started; watch
-/// `vsan_disk_status` (`syncing`, `last_sync_result`, `last_sync_mismatches`).
+/// `vsan_disk_get_status` (`syncing`, `last_sync_result`, `last_sync_mismatches`).
 /// `VSAN_ERR_NOT_SUPPORTED` for a disk without a peer, `VSAN_ERR_INVALID_ARGUMENT` when
 /// it cannot start now (the message says why).
 ///
@@ -680,8 +683,8 @@ pub unsafe extern "C" fn vsan_disk_wait_synced(
 pub unsafe extern "C" fn vsan_disk_verify(disk: *mut vsan_disk) -> crate::vsan_result {
     call("vsan_disk_verify", || {
         let d = handles::disk(disk)?;
-        let m = mirror_of(&d)?.clone();
         not_in_callback()?;
+        let m = mirror_of(&d)?.clone();
         let _in = d.node.enter()?;
         d.node.handle.block_on(m.verify()).map_err(core_failure)
     })
@@ -721,6 +724,7 @@ pub unsafe extern "C" fn vsan_disk_set_cache_mode(
 ) -> crate::vsan_result {
     call("vsan_disk_set_cache_mode", || {
         let d = handles::disk(disk)?;
+        not_in_callback()?;
         let cache = d.disk.cache.clone().ok_or_else(|| {
             (
                 VSAN_ERR_NOT_SUPPORTED,
@@ -739,7 +743,6 @@ pub unsafe extern "C" fn vsan_disk_set_cache_mode(
                 ));
             }
         };
-        not_in_callback()?;
         let _in = d.node.enter()?;
         d.node
             .handle

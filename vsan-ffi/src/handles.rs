@@ -54,6 +54,9 @@ pub(crate) struct NodeObj {
     pub(crate) runtime: Mutex<Option<tokio::runtime::Runtime>>,
     pub(crate) node: Mutex<Option<Node>>,
     closing: AtomicBool,
+    /// Cleared (under the registry's lock) when the node's handle is closed: no disk
+    /// handle may be registered for it after that.
+    registered: AtomicBool,
     in_flight: AtomicUsize,
     idle_lock: Mutex<()>,
     idle: Condvar,
@@ -90,6 +93,7 @@ impl NodeObj {
             runtime: Mutex::new(Some(runtime)),
             node: Mutex::new(Some(node)),
             closing: AtomicBool::new(false),
+            registered: AtomicBool::new(true),
             in_flight: AtomicUsize::new(0),
             idle_lock: Mutex::new(()),
             idle: Condvar::new(),
@@ -131,14 +135,18 @@ pub(crate) fn register_node(node: Arc<NodeObj>) -> *mut vsan_node {
     h as *mut vsan_node
 }
 
-/// Register an open disk (and note it on its node); returns its handle.
-pub(crate) fn register_disk(disk: Arc<DiskObj>) -> *mut vsan_disk {
+/// Register an open disk (and note it on its node); returns its handle. Fails when the
+/// node's handle was closed meanwhile (its disks' handles are gone with it).
+pub(crate) fn register_disk(disk: Arc<DiskObj>) -> Result<*mut vsan_disk, Failure> {
     let h = new_handle(TAG_DISK);
     let node = Arc::clone(&disk.node);
     let mut reg = REGISTRY.write();
+    if !node.registered.load(Ordering::SeqCst) {
+        return Err((VSAN_ERR_CLOSED, "the node was closed".into()));
+    }
     reg.insert(h, Object::Disk(disk));
     node.disks.lock().push(h);
-    h as *mut vsan_disk
+    Ok(h as *mut vsan_disk)
 }
 
 fn bad(what: &str, h: usize) -> Failure {
@@ -177,6 +185,7 @@ pub(crate) fn unregister_node(h: *const vsan_node) -> Result<Arc<NodeObj>, Failu
     let mut reg = REGISTRY.write();
     match reg.remove(&(h as usize)) {
         Some(Object::Node(n)) => {
+            n.registered.store(false, Ordering::SeqCst);
             for d in n.disks.lock().drain(..) {
                 reg.remove(&d);
             }

@@ -15,12 +15,12 @@ use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 
 use bytes::Bytes;
-use vsan_core::{BlockDevice, IoFlags};
+use vsan_core::{BlockDevice, IoFlags, Op};
 
 use crate::handles::{self, DiskObj, InFlight, vsan_disk};
 use crate::{
     Failure, VSAN_ERR_CLOSED, VSAN_ERR_INVALID_ARGUMENT, VSAN_ERR_IO, VSAN_ERR_NULL_POINTER,
-    VSAN_ERR_OVERFLOW, call, core_failure, fail, not_in_callback, vsan_result,
+    VSAN_ERR_OVERFLOW, VSAN_ERR_PANIC, call, core_failure, fail, not_in_callback, vsan_result,
 };
 
 /// Flag for writes, discards and zeroing: force unit access: the write is durable on
@@ -69,6 +69,9 @@ impl Completion {
     }
 
     fn invoke(&self, result: Result<(), Failure>) {
+        // The callback sees this I/O's message; the thread's own (its last failed call,
+        // when the callback runs inline in a submit that succeeded) comes back after.
+        let saved = crate::LAST_ERROR.with(|m| std::mem::take(&mut *m.borrow_mut()));
         let code = match result {
             Ok(()) => crate::VSAN_OK,
             Err((code, message)) => fail(code, message),
@@ -78,6 +81,7 @@ impl Completion {
         // contract); it is called exactly once.
         unsafe { (self.callback)(self.userdata as *mut c_void, code, self.tag) };
         IN_CALLBACK.set(was);
+        crate::LAST_ERROR.with(|m| *m.borrow_mut() = saved);
     }
 }
 
@@ -112,13 +116,13 @@ fn submit(
         fired: false,
         _in_flight: in_flight,
     };
-    let mut work: Pin<Box<dyn Future<Output = Result<(), Failure>> + Send>> = Box::pin(work);
+    let mut work = CatchPanic(Box::pin(work));
     let depth = INLINE_DEPTH.get();
     if depth < MAX_INLINE_DEPTH {
         let polled = {
             let _runtime = d.node.handle.enter();
             INLINE_DEPTH.set(depth + 1);
-            let p = work.as_mut().poll(&mut Context::from_waker(Waker::noop()));
+            let p = Pin::new(&mut work).poll(&mut Context::from_waker(Waker::noop()));
             INLINE_DEPTH.set(depth);
             p
         };
@@ -137,18 +141,46 @@ fn submit(
     Ok(())
 }
 
-/// Run a blocking call on the disk's node.
-fn blocking<T>(
+/// An I/O's future whose panic becomes a [`VSAN_ERR_PANIC`] result (its callback then
+/// reports it) instead of unwinding through the submit call or the runtime.
+struct CatchPanic(Pin<Box<dyn Future<Output = Result<(), Failure>> + Send>>);
+
+impl Future for CatchPanic {
+    type Output = Result<(), Failure>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let inner = &mut self.0;
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| inner.as_mut().poll(cx))) {
+            Ok(p) => p,
+            Err(panic) => Poll::Ready(Err((
+                VSAN_ERR_PANIC,
+                format!("internal error: {}", crate::panic_message(&*panic)),
+            ))),
+        }
+    }
+}
+
+/// Run a blocking call on the disk's node. `work` makes the operation's future only
+/// once the call is allowed (not in a callback, node not closing): devices may act when
+/// the future is made, and a refused call must have no effect.
+fn blocking<T, F: Future<Output = vsan_core::Result<T>>>(
     d: &DiskObj,
-    work: impl Future<Output = vsan_core::Result<T>>,
+    work: impl FnOnce() -> F,
 ) -> Result<T, Failure> {
     not_in_callback()?;
     let _in = d.node.enter()?;
-    d.node.handle.block_on(work).map_err(core_failure)
+    d.node.handle.block_on(work()).map_err(core_failure)
 }
 
-/// Check a caller's buffer and the byte range of an I/O; returns the buffer's address.
-fn check_buffer(ptr: *const c_void, len: usize, offset: u64) -> Result<usize, Failure> {
+/// Check a caller's buffer and the request (see [`check_request`]); returns the
+/// buffer's address.
+fn check_buffer(
+    d: &DiskObj,
+    op: Op,
+    ptr: *const c_void,
+    len: usize,
+    offset: u64,
+) -> Result<usize, Failure> {
     if len == 0 {
         return Err((VSAN_ERR_INVALID_ARGUMENT, "len is 0".into()));
     }
@@ -161,18 +193,21 @@ fn check_buffer(ptr: *const c_void, len: usize, offset: u64) -> Result<usize, Fa
             format!("buf {ptr:p} + len {len} runs past the end of the address space"),
         ));
     }
-    check_range(offset, len as u64)?;
+    check_request(d, op, offset, len as u64)?;
     Ok(ptr as usize)
 }
 
-fn check_range(offset: u64, len: u64) -> Result<(), Failure> {
-    match offset.checked_add(len) {
-        Some(_) => Ok(()),
-        None => Err((
+/// Check a request before anything is copied or submitted: `offset + len` must not
+/// overflow ([`VSAN_ERR_OVERFLOW`]); then the disk's own rules (length not 0 and within
+/// `max_io`, offset and length aligned to the block size, inside the disk).
+fn check_request(d: &DiskObj, op: Op, offset: u64, len: u64) -> Result<(), Failure> {
+    if offset.checked_add(len).is_none() {
+        return Err((
             VSAN_ERR_OVERFLOW,
             format!("offset {offset} + len {len} overflows 64 bits"),
-        )),
+        ));
     }
+    d.geometry.validate(op, offset, len).map_err(core_failure)
 }
 
 fn flags(bits: u32) -> Result<IoFlags, Failure> {
@@ -229,8 +264,10 @@ fn write_work(
 /// Read `len` bytes at `offset` into `buf`, waiting for the data. `offset` and `len`
 /// must be multiples of the block size, inside the disk, `len` at most `max_io`.
 /// On a mirrored disk the read is served by the local replica when it is up to date,
-/// else by the peer. `buf` is written only on success (on failure its content is
-/// unspecified: it may have been partly written). `buf` needs no particular alignment.
+/// else by the peer. A request that breaks these rules is refused before anything
+/// happens (`VSAN_ERR_INVALID_ARGUMENT`, `VSAN_ERR_OUT_OF_RANGE`, `VSAN_ERR_OVERFLOW`)
+/// and `buf` is left alone; `buf` is filled only when the read succeeded. `buf` needs no
+/// particular alignment.
 ///
 /// Thread-safe: any number of threads may do I/O on one disk at once. Blocking: not from
 /// a completion callback (`VSAN_ERR_WRONG_THREAD`). `buf` must stay valid for the call.
@@ -246,8 +283,8 @@ pub unsafe extern "C" fn vsan_disk_read(
 ) -> vsan_result {
     call("vsan_disk_read", || {
         let d = handles::disk(disk)?;
-        let buf = check_buffer(buf, len, offset)?;
-        let data = blocking(&d, d.disk.device.read(offset, len))?;
+        let buf = check_buffer(&d, Op::Read, buf, len, offset)?;
+        let data = blocking(&d, || d.disk.device.read(offset, len))?;
         copy_out(data, buf, len)
     })
 }
@@ -271,11 +308,13 @@ pub unsafe extern "C" fn vsan_disk_write(
 ) -> vsan_result {
     call("vsan_disk_write", || {
         let d = handles::disk(disk)?;
-        let buf = check_buffer(buf, len, offset)?;
+        let buf = check_buffer(&d, Op::Write, buf, len, offset)?;
         let flags = self::flags(flags)?;
-        // SAFETY: checked above; the caller keeps it valid for the call.
-        let data = unsafe { copy_in(buf, len) };
-        blocking(&d, d.disk.device.write(offset, data, flags))
+        blocking(&d, || {
+            // SAFETY: checked above; the caller keeps it valid for the call.
+            let data = unsafe { copy_in(buf, len) };
+            d.disk.device.write(offset, data, flags)
+        })
     })
 }
 
@@ -290,7 +329,7 @@ pub unsafe extern "C" fn vsan_disk_write(
 pub unsafe extern "C" fn vsan_disk_flush(disk: *mut vsan_disk) -> vsan_result {
     call("vsan_disk_flush", || {
         let d = handles::disk(disk)?;
-        blocking(&d, d.disk.device.flush())
+        blocking(&d, || d.disk.device.flush())
     })
 }
 
@@ -308,9 +347,9 @@ pub unsafe extern "C" fn vsan_disk_discard(
 ) -> vsan_result {
     call("vsan_disk_discard", || {
         let d = handles::disk(disk)?;
-        check_range(offset, len)?;
+        check_request(&d, Op::Discard, offset, len)?;
         let flags = self::flags(flags)?;
-        blocking(&d, d.disk.device.discard(offset, len, flags))
+        blocking(&d, || d.disk.device.discard(offset, len, flags))
     })
 }
 
@@ -328,9 +367,9 @@ pub unsafe extern "C" fn vsan_disk_write_zeroes(
 ) -> vsan_result {
     call("vsan_disk_write_zeroes", || {
         let d = handles::disk(disk)?;
-        check_range(offset, len)?;
+        check_request(&d, Op::WriteZeroes, offset, len)?;
         let flags = self::flags(flags)?;
-        blocking(&d, d.disk.device.write_zeroes(offset, len, flags))
+        blocking(&d, || d.disk.device.write_zeroes(offset, len, flags))
     })
 }
 
@@ -338,10 +377,10 @@ pub unsafe extern "C" fn vsan_disk_write_zeroes(
 /// runs once it completes (see `vsan_completion` for which thread runs it: possibly
 /// this one, before this call returns).
 ///
-/// Returns `VSAN_OK` when the read was accepted: the callback then runs exactly once.
-/// Any other result means it was refused (bad arguments, closed handle): the callback
-/// never runs. Alignment and range errors of the request itself (an offset past the
-/// end) are reported through the callback. Many I/Os may be in flight at once, from any
+/// Returns `VSAN_OK` when the read was accepted: the callback then runs exactly once,
+/// with the result. Any other result means it was refused, and the callback never runs:
+/// bad arguments (the same checks as `vsan_disk_read`: alignment, range, overflow,
+/// NULLs), a closed handle, a closing node. Many I/Os may be in flight at once, from any
 /// number of threads; they may complete in any order.
 ///
 /// `buf` must stay valid, and must not be read or written by the caller, until the
@@ -364,7 +403,7 @@ pub unsafe extern "C" fn vsan_disk_submit_read(
 ) -> vsan_result {
     call("vsan_disk_submit_read", || {
         let d = handles::disk(disk)?;
-        let buf = check_buffer(buf, len, offset)?;
+        let buf = check_buffer(&d, Op::Read, buf, len, offset)?;
         submit(&d, callback, userdata, tag, read_work(&d, offset, buf, len))
     })
 }
@@ -390,7 +429,7 @@ pub unsafe extern "C" fn vsan_disk_submit_write(
 ) -> vsan_result {
     call("vsan_disk_submit_write", || {
         let d = handles::disk(disk)?;
-        let buf = check_buffer(buf, len, offset)?;
+        let buf = check_buffer(&d, Op::Write, buf, len, offset)?;
         let flags = self::flags(flags)?;
         if callback.is_none() {
             return Err((VSAN_ERR_NULL_POINTER, "callback is NULL".into()));
@@ -447,7 +486,7 @@ pub unsafe extern "C" fn vsan_disk_submit_discard(
 ) -> vsan_result {
     call("vsan_disk_submit_discard", || {
         let d = handles::disk(disk)?;
-        check_range(offset, len)?;
+        check_request(&d, Op::Discard, offset, len)?;
         let flags = self::flags(flags)?;
         let dev = Arc::clone(&d.disk.device);
         submit(&d, callback, userdata, tag, async move {
@@ -474,7 +513,7 @@ pub unsafe extern "C" fn vsan_disk_submit_write_zeroes(
 ) -> vsan_result {
     call("vsan_disk_submit_write_zeroes", || {
         let d = handles::disk(disk)?;
-        check_range(offset, len)?;
+        check_request(&d, Op::WriteZeroes, offset, len)?;
         let flags = self::flags(flags)?;
         let dev = Arc::clone(&d.disk.device);
         submit(&d, callback, userdata, tag, async move {

@@ -144,7 +144,7 @@ fn describe(code: vsan_result) -> &'static std::ffi::CStr {
 
 thread_local! {
     /// The message of the last failed call on this thread.
-    static LAST_ERROR: RefCell<String> = const { RefCell::new(String::new()) };
+    pub(crate) static LAST_ERROR: RefCell<String> = const { RefCell::new(String::new()) };
 }
 
 /// An error code and its message, as entry points return them.
@@ -199,15 +199,20 @@ fn call(name: &str, body: impl FnOnce() -> Result<(), Failure>) -> vsan_result {
     match catch_unwind(AssertUnwindSafe(body)) {
         Ok(Ok(())) => VSAN_OK,
         Ok(Err((code, message))) => fail(code, format!("{name}: {message}")),
-        Err(panic) => {
-            let what = panic
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "unknown panic".into());
-            fail(VSAN_ERR_PANIC, format!("{name}: internal error: {what}"))
-        }
+        Err(panic) => fail(
+            VSAN_ERR_PANIC,
+            format!("{name}: internal error: {}", panic_message(&*panic)),
+        ),
     }
+}
+
+/// What a caught panic says.
+pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".into())
 }
 
 /// A static description of a result code ("ok", "invalid argument", ...; "unknown result

@@ -95,7 +95,7 @@ fn main() -> ExitCode {
     };
     match rt.block_on(run(config, args.discard_my_data)) {
         Ok(()) => ExitCode::SUCCESS,
-        Err(StartError::Config(msg)) => {
+        Err(StartError::Config(msg) | StartError::AddressInUse(msg)) => {
             eprintln!(
                 "vsan-node: config error in {}: {msg}",
                 args.config.display()
@@ -111,10 +111,6 @@ fn main() -> ExitCode {
 }
 
 async fn run(config: Config, discard: Vec<String>) -> Result<(), StartError> {
-    info!(id = config.node.id, data_dir = %config.node.data_dir.display(), "vsan-node starting");
-    if let Some(v) = &config.node.mgmt {
-        warn!("node.mgmt = {v:?} is accepted but not used yet in this build");
-    }
     let node = Node::start(
         &config,
         StartOptions {

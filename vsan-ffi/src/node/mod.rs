@@ -51,6 +51,9 @@ pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 pub enum StartError {
     /// The configuration is wrong (a key and the problem); nothing was created.
     Config(String),
+    /// An address the configuration names is in use (a key and the address); nothing was
+    /// created.
+    AddressInUse(String),
     /// Something failed while opening (an image, a metadata file, a cache).
     Runtime(String),
 }
@@ -58,7 +61,9 @@ pub enum StartError {
 impl std::fmt::Display for StartError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            StartError::Config(m) | StartError::Runtime(m) => f.write_str(m),
+            StartError::Config(m) | StartError::AddressInUse(m) | StartError::Runtime(m) => {
+                f.write_str(m)
+            }
         }
     }
 }
@@ -163,7 +168,7 @@ impl Node {
     pub async fn start(config: &Config, options: StartOptions) -> Result<Node, StartError> {
         let discard = &options.discard_my_data;
         let node = &config.node;
-        info!(id = node.id, data_dir = %node.data_dir.display(), "vsan-node starting");
+        info!(id = node.id, data_dir = %node.data_dir.display(), "node starting");
         if let Some(v) = &node.mgmt {
             warn!("node.mgmt = {v:?} is accepted but not used yet in this build");
         }
@@ -210,7 +215,7 @@ impl Node {
             let key = format!("key `disk[{}].nbd`", members[0]);
             let listener = bind(&addr).await.map_err(|e| {
                 if e.kind() == std::io::ErrorKind::AddrInUse {
-                    StartError::Config(format!("{key}: address {addr} is already in use"))
+                    StartError::AddressInUse(format!("{key}: address {addr} is already in use"))
                 } else {
                     StartError::Config(format!("{key}: cannot listen on {addr}: {e}"))
                 }
@@ -261,7 +266,12 @@ impl Node {
             Some(addr) => {
                 let transport = &listen_transport;
                 let l = transport.listen(addr).await.map_err(|e| {
-                    StartError::Config(format!("key `node.listen`: cannot listen on {addr}: {e}"))
+                    let m = format!("key `node.listen`: cannot listen on {addr}: {e}");
+                    if e.kind() == ErrorKind::InUse {
+                        StartError::AddressInUse(m)
+                    } else {
+                        StartError::Config(m)
+                    }
                 })?;
                 replication_address = Some(l.local_addr());
                 ready_lines_pre.push(format!("ready replication={}", l.local_addr()));
