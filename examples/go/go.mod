@@ -1,0 +1,3 @@
+module vsan.example/vsan
+
+go 1.18
