@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use common::mirror::{CONNECTED, Side, assert_replicas_identical, start_acceptor};
 use common::{
-    Node, Sig, TOOL_TIMEOUT, TestDir, ToolOutput, assert_same_bytes, find_tool, image,
+    Node, Sig, TOOL_TIMEOUT, TestDir, ToolOutput, assert_same_bytes, find_tool, image, profile_dir,
     read_file_range, require_tool, run_command, toml_str,
 };
 
@@ -48,15 +48,6 @@ fn pattern_byte(offset: u64, seed: u64) -> u8 {
     x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
     x ^= x >> 32;
     (x >> (8 * (offset % 8))) as u8
-}
-
-/// `target/<profile>`, where cargo put this test's binary (`.../deps/c_api-<hash>`).
-fn profile_dir() -> PathBuf {
-    let exe = std::env::current_exe().expect("the test binary's path");
-    exe.parent()
-        .and_then(Path::parent)
-        .map(Path::to_path_buf)
-        .unwrap_or_else(|| panic!("{} is not in target/<profile>/deps", exe.display()))
 }
 
 /// The C sources.

@@ -21,22 +21,13 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{TestDir, ToolOutput, find_tool, require_tool, run_command};
+use common::{TestDir, ToolOutput, find_tool, profile_dir, require_tool, run_command};
 
 /// Limits for one go command (the first build compiles the package; the race build
 /// may compile the standard library with instrumentation).
 const VET_TIMEOUT: Duration = Duration::from_secs(180);
 const TEST_TIMEOUT: Duration = Duration::from_secs(240);
 const RACE_TIMEOUT: Duration = Duration::from_secs(420);
-
-/// `target/<profile>`, where cargo put this test's binary (`.../deps/go_api-<hash>`).
-fn profile_dir() -> PathBuf {
-    let exe = std::env::current_exe().expect("the test binary's path");
-    exe.parent()
-        .and_then(Path::parent)
-        .map(Path::to_path_buf)
-        .unwrap_or_else(|| panic!("{} is not in target/<profile>/deps", exe.display()))
-}
 
 /// The Go module.
 fn go_dir() -> PathBuf {

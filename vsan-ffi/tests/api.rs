@@ -1,50 +1,14 @@
 //! The C ABI driven from Rust: nodes, disks, blocking and asynchronous I/O, status, and
 //! the boundary rules (NULLs, overflow, closed handles, callbacks' threads).
 
-use std::ffi::{CString, c_void};
+use std::ffi::c_void;
 use std::ptr;
 use std::sync::mpsc;
 
 use vsan::*;
 
-fn last_error() -> String {
-    let mut buf = vec![0 as std::ffi::c_char; 1024];
-    // SAFETY: a valid buffer of its length.
-    let r = unsafe { vsan_last_error_message(buf.as_mut_ptr(), buf.len(), ptr::null_mut()) };
-    assert_eq!(r, VSAN_OK);
-    // SAFETY: NUL-terminated by the call.
-    unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }
-        .to_string_lossy()
-        .into_owned()
-}
-
-fn mem_node(size: &str) -> *mut vsan_node {
-    let toml = CString::new(format!(
-        "[node]\nid = 1\ndata_dir = \"/nonexistent-vsan-test\"\nthreads = 2\n\n\
-         [[disk]]\nname = \"vol0\"\nsize = \"{size}\"\nbacking = \"mem\"\n"
-    ))
-    .unwrap();
-    let mut node = ptr::null_mut();
-    // SAFETY: valid string and out pointer.
-    let r = unsafe { vsan_node_new_from_toml(toml.as_ptr(), &mut node) };
-    assert_eq!(r, VSAN_OK, "{}", last_error());
-    node
-}
-
-fn open(node: *mut vsan_node, name: &str) -> *mut vsan_disk {
-    let name = CString::new(name).unwrap();
-    let mut disk = ptr::null_mut();
-    // SAFETY: valid arguments.
-    let r = unsafe { vsan_disk_open(node, name.as_ptr(), &mut disk) };
-    assert_eq!(r, VSAN_OK, "{}", last_error());
-    disk
-}
-
-unsafe extern "C" fn to_channel(userdata: *mut c_void, result: vsan_result, tag: u64) {
-    // SAFETY: the tests pass a `*const mpsc::Sender` that outlives every I/O.
-    let tx = unsafe { &*(userdata as *const mpsc::Sender<(vsan_result, u64)>) };
-    let _ = tx.send((result, tag));
-}
+mod common;
+use common::{last_error, mem_node, node_from, open, to_channel};
 
 #[test]
 fn blocking_and_async_io_on_a_memory_disk() {
@@ -147,15 +111,6 @@ fn blocking_and_async_io_on_a_memory_disk() {
         assert_eq!(vsan_node_free(node), VSAN_OK);
         assert_eq!(vsan_node_free(node), VSAN_ERR_BAD_HANDLE);
     }
-}
-
-fn node_from(toml: &str) -> *mut vsan_node {
-    let toml = CString::new(toml).unwrap();
-    let mut node = ptr::null_mut();
-    // SAFETY: valid string and out pointer.
-    let r = unsafe { vsan_node_new_from_toml(toml.as_ptr(), &mut node) };
-    assert_eq!(r, VSAN_OK, "{}", last_error());
-    node
 }
 
 fn replication_address(node: *mut vsan_node) -> String {

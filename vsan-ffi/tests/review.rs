@@ -8,48 +8,8 @@ use std::time::{Duration, Instant};
 
 use vsan::*;
 
-fn last_error() -> String {
-    let mut buf = vec![0 as std::ffi::c_char; 1024];
-    // SAFETY: a valid buffer of its length.
-    let r = unsafe { vsan_last_error_message(buf.as_mut_ptr(), buf.len(), ptr::null_mut()) };
-    assert_eq!(r, VSAN_OK);
-    // SAFETY: NUL-terminated by the call.
-    unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }
-        .to_string_lossy()
-        .into_owned()
-}
-
-fn try_node(toml: &str) -> Result<*mut vsan_node, (vsan_result, String)> {
-    let toml = CString::new(toml).unwrap();
-    let mut node = ptr::null_mut();
-    // SAFETY: valid string and out pointer.
-    let r = unsafe { vsan_node_new_from_toml(toml.as_ptr(), &mut node) };
-    if r == VSAN_OK {
-        Ok(node)
-    } else {
-        Err((r, last_error()))
-    }
-}
-
-fn node_from(toml: &str) -> *mut vsan_node {
-    try_node(toml).unwrap_or_else(|(r, m)| panic!("open failed: {r}: {m}"))
-}
-
-fn mem_node() -> *mut vsan_node {
-    node_from(
-        "[node]\nid = 1\ndata_dir = \"/nonexistent-vsan-review\"\nthreads = 2\n\n\
-         [[disk]]\nname = \"vol0\"\nsize = \"1MiB\"\nbacking = \"mem\"\n",
-    )
-}
-
-fn open(node: *mut vsan_node, name: &str) -> *mut vsan_disk {
-    let name = CString::new(name).unwrap();
-    let mut disk = ptr::null_mut();
-    // SAFETY: valid arguments.
-    let r = unsafe { vsan_disk_open(node, name.as_ptr(), &mut disk) };
-    assert_eq!(r, VSAN_OK, "{}", last_error());
-    disk
-}
+mod common;
+use common::{last_error, mem_node, node_from, open, to_channel, try_node};
 
 fn scratch(name: &str) -> std::path::PathBuf {
     let dir = std::env::temp_dir().join(format!("vsan-review-{name}-{}", std::process::id()));
@@ -73,12 +33,6 @@ fn within<T: Send + 'static>(
         Ok(v) => v,
         Err(_) => panic!("{what}: still running after {limit:?} (hang)"),
     }
-}
-
-unsafe extern "C" fn to_channel(userdata: *mut c_void, result: vsan_result, tag: u64) {
-    // SAFETY: the tests pass a leaked `mpsc::Sender` that outlives every I/O.
-    let tx = unsafe { &*(userdata as *const mpsc::Sender<(vsan_result, u64)>) };
-    let _ = tx.send((result, tag));
 }
 
 unsafe extern "C" fn ignore(_: *mut c_void, _: vsan_result, _: u64) {}
@@ -107,7 +61,7 @@ unsafe extern "C" fn write_from_callback(userdata: *mut c_void, _result: vsan_re
 
 #[test]
 fn refused_blocking_write_from_a_callback_has_no_effect() {
-    let node = mem_node();
+    let node = mem_node("1MiB");
     let disk = open(node, "vol0");
     let (tx, rx) = mpsc::channel();
     let ctx = WriteCtx { disk, tx };
@@ -266,7 +220,7 @@ fn open_while_closing(node: *mut vsan_node) -> Vec<usize> {
 fn disk_opened_during_node_free_does_not_outlive_the_node() {
     let mut survivors = 0;
     for _ in 0..40 {
-        let node = mem_node();
+        let node = mem_node("1MiB");
         for d in open_while_closing(node) {
             let mut g = vsan_geometry::default();
             // SAFETY: the handle is checked by the library.
@@ -321,7 +275,7 @@ fn no_write_reaches_the_image_after_node_free() {
 
 #[test]
 fn successful_submit_leaves_the_last_error_alone() {
-    let node = mem_node();
+    let node = mem_node("1MiB");
     let disk = open(node, "vol0");
     // SAFETY: valid arguments, except the deliberately NULL buffer.
     unsafe {
@@ -434,7 +388,7 @@ unsafe extern "C" fn chain(userdata: *mut c_void, result: vsan_result, tag: u64)
 
 #[test]
 fn deep_resubmission_from_callbacks_each_fires_once() {
-    let node = mem_node();
+    let node = mem_node("1MiB");
     let disk = open(node, "vol0");
     let (tx, rx) = mpsc::channel();
     let c: &'static mut Chain = Box::leak(Box::new(Chain {
@@ -497,7 +451,7 @@ fn huge_write_length_is_refused_before_copying() {
     // gives zeros.
     let p = unsafe { mmap(ptr::null_mut(), len, 1, 0x02 | 0x20 | 0x4000, -1, 0) };
     assert!(p as isize != -1, "mmap");
-    let node = mem_node();
+    let node = mem_node("1MiB");
     let disk = open(node, "vol0");
     // SAFETY: `p` is valid for reads of `len` bytes.
     unsafe {

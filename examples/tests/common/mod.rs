@@ -861,3 +861,13 @@ pub fn field_u64(line: &str, key: &str) -> u64 {
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| panic!("no numeric `{key}=` in {line:?}"))
 }
+
+/// `target/<profile>`, where cargo put this test's binary (`.../deps/<test>-<hash>`):
+/// the built libraries are in its `deps/`, the pkg-config files beside it.
+pub fn profile_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("the test binary's path");
+    exe.parent()
+        .and_then(Path::parent)
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| panic!("{} is not in target/<profile>/deps", exe.display()))
+}
