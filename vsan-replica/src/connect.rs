@@ -82,7 +82,20 @@ pub async fn dial_loop(transport: Arc<dyn Transport>, addr: String, disk: Mirror
 /// Accept links on `listener` and hand each to the disk its first message (the peer's
 /// Hello) names, forever.
 pub async fn accept_loop(listener: Box<dyn Listener>, disks: HashMap<String, MirroredDisk>) {
-    let disks = Arc::new(disks);
+    accept_loop_shared(listener, Arc::new(parking_lot::RwLock::new(disks))).await
+}
+
+/// The mirrored disks an acceptor routes links to, by name; disks may come and go while
+/// it runs.
+pub type DiskRegistry = Arc<parking_lot::RwLock<HashMap<String, MirroredDisk>>>;
+
+fn lookup(disks: &DiskRegistry, name: &str) -> Option<MirroredDisk> {
+    disks.read().get(name).cloned()
+}
+
+/// Like [`accept_loop`], over a registry that may change while it runs (disks created or
+/// deleted by an operator).
+pub async fn accept_loop_shared(listener: Box<dyn Listener>, disks: DiskRegistry) {
     info!(addr = listener.local_addr(), "replication listener up");
     loop {
         let mut link = match listener.accept().await {
@@ -97,7 +110,7 @@ pub async fn accept_loop(listener: Box<dyn Listener>, disks: HashMap<String, Mir
         tokio::spawn(async move {
             let first = tokio::time::timeout(HELLO_TIMEOUT, link.recv()).await;
             match first {
-                Ok(Ok(Message::Hello(h))) => match disks.get(&h.disk_name) {
+                Ok(Ok(Message::Hello(h))) => match lookup(&disks, &h.disk_name) {
                     Some(disk) => disk.attach(link, Some(Message::Hello(h))),
                     None => {
                         let reason =

@@ -34,7 +34,7 @@ use vsan_core::{BlockDevice, Error, ErrorKind, Geometry, IoFlags, IoFuture, Op, 
 use crate::meta::{self, Loaded, MetaParams};
 use crate::protocol::{
     Config, Endpoint, Event, Generations, LinkState, LocalIo, LocalOpId, LocalResult, Message,
-    RequestId, SyncKind, SyncProgress, SyncRole, SyncSummary, WritePayload,
+    RequestId, ResyncRate, SyncKind, SyncProgress, SyncRole, SyncSummary, WritePayload,
 };
 use crate::transport::{Link, LinkRx, LinkTx};
 use crate::witness::WitnessClient;
@@ -68,10 +68,27 @@ enum Command {
     },
     /// Discard this node's data in a split brain (on the next handshake).
     DiscardMyData,
+    /// An operator's action; answers what was done or why not.
+    Operator {
+        action: Operator,
+        done: OperatorReply,
+    },
     /// Finish in-flight I/O, mark the metadata clean, stop.
     Close {
         done: oneshot::Sender<Result<()>>,
     },
+}
+
+/// Where the answer to an operator's action goes: what was done, or why not.
+type OperatorReply = oneshot::Sender<std::result::Result<String, String>>;
+
+/// What an operator may ask of a running mirror (see the [`MirroredDisk`] methods).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Operator {
+    CancelVerify,
+    SetRate(ResyncRate),
+    DetachLocal,
+    AttachLocal,
 }
 
 /// What the driver asks of its witness worker, in order.
@@ -277,6 +294,7 @@ impl MirroredDisk {
             quorum_tx,
             closing: Vec::new(),
             stale_events: VecDeque::new(),
+            operator_replies: Vec::new(),
             last_progress_log: Instant::now(),
             last_sync_start: None,
             waiters: FastMap::default(),
@@ -326,6 +344,50 @@ impl MirroredDisk {
     /// runs again.
     pub fn discard_my_data(&self) {
         let _ = self.commands.send(Command::DiscardMyData);
+    }
+
+    async fn operate(&self, action: Operator) -> Result<String> {
+        let (done, rx) = oneshot::channel();
+        if self
+            .commands
+            .send(Command::Operator { action, done })
+            .is_err()
+        {
+            return Err(self.stopped());
+        }
+        match rx.await {
+            Ok(Ok(what)) => Ok(what),
+            Ok(Err(why)) => Err(Error::new(
+                ErrorKind::InvalidArgument,
+                format!("disk {}: {why}", self.name),
+            )),
+            Err(_) => Err(self.stopped()),
+        }
+    }
+
+    /// Stop the online verify this node runs (chunks it found different stay marked
+    /// and are copied at the next resync). Fails (`InvalidArgument`, with the reason)
+    /// when no verify from this node runs.
+    pub async fn cancel_verify(&self) -> Result<String> {
+        self.operate(Operator::CancelVerify).await
+    }
+
+    /// Change the resync rate of this node's resyncs, effective at once.
+    pub async fn set_resync_rate(&self, rate: ResyncRate) -> Result<String> {
+        self.operate(Operator::SetRate(rate)).await
+    }
+
+    /// Detach the local replica on purpose (to replace its disk, say): I/O is served
+    /// through the peer. Needs the peer connected and no resync running.
+    pub async fn detach_local(&self) -> Result<String> {
+        self.operate(Operator::DetachLocal).await
+    }
+
+    /// Attach a detached local replica again: it is resynced in full from the peer by
+    /// checksum (it missed every write since it was detached), serving reads of chunks
+    /// not synced yet through the peer. Needs the peer connected.
+    pub async fn attach_local(&self) -> Result<String> {
+        self.operate(Operator::AttachLocal).await
     }
 
     /// Finish in-flight requests, flush, mark the metadata clean (so a restart does not
@@ -491,6 +553,8 @@ struct Driver {
     /// Events the endpoint raised for a link already replaced: handled without retiring
     /// the link that replaced it.
     stale_events: VecDeque<Event>,
+    /// Answers to operator actions, sent once the status shows their effect.
+    operator_replies: Vec<(OperatorReply, std::result::Result<String, String>)>,
     last_progress_log: Instant,
     last_sync_start: Option<SyncStart>,
     waiters: FastMap<RequestId, Reply>,
@@ -688,6 +752,15 @@ impl Driver {
             }
             Command::Verify { done } => {
                 let _ = done.send(self.ep.start_verify(now));
+            }
+            Command::Operator { action, done } => {
+                let r = match action {
+                    Operator::CancelVerify => self.ep.cancel_verify(now),
+                    Operator::SetRate(rate) => Ok(self.ep.set_resync_rate(now, rate)),
+                    Operator::DetachLocal => self.ep.detach_local(),
+                    Operator::AttachLocal => self.ep.attach_local(now),
+                };
+                self.operator_replies.push((done, r));
             }
             Command::DiscardMyData => {
                 self.ep.discard_my_data();
@@ -896,6 +969,9 @@ impl Driver {
         // completed sees the state the completion came from.
         for (w, result) in completed {
             let _ = w.send(result);
+        }
+        for (done, result) in self.operator_replies.drain(..) {
+            let _ = done.send(result);
         }
     }
 }

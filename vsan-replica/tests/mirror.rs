@@ -1799,3 +1799,75 @@ async fn a_replica_that_loses_acknowledged_writes_is_resynced_with_no_error_or_s
         assert!(in_sync(&s), "{who}: {s:?}");
     }
 }
+
+// ----- operator actions (management API) -----
+
+/// Detach node 1's replica on request: I/O goes through node 2 and node 1's replica
+/// misses it; attaching it again resyncs it in full from node 2, and the replicas end
+/// identical. Refusals say why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn operator_detach_and_attach_the_local_replica() {
+    let (m1, m2) = (mem(MIB), mem(MIB));
+    let p = Pair::start(m1.clone(), m2.clone(), CALM_TIMEOUT).await;
+    let mut rng = SmallRng::seed_from_u64(9);
+    let e = p.d1.attach_local().await.unwrap_err();
+    assert!(e.to_string().contains("is attached"), "{e}");
+    p.d1.detach_local().await.unwrap();
+    assert!(p.d1.status().local_detached);
+    assert!(p.d1.detach_local().await.is_err(), "twice");
+
+    let a = random_bytes(&mut rng, 64 * KIB as usize);
+    write(&p.d1, 128 * KIB, a.clone(), IoFlags::empty()).await;
+    assert_eq!(
+        read(&p.d1, 128 * KIB, 64 * KIB).await,
+        a,
+        "read through the peer"
+    );
+    assert_eq!(read(&*m2, 128 * KIB, 64 * KIB).await, a, "node 2's replica");
+    assert!(
+        is_zero(&read(&*m1, 128 * KIB, 64 * KIB).await),
+        "node 1's detached replica is not written"
+    );
+
+    p.d1.attach_local().await.unwrap();
+    let s = wait_for(&p.d1, "node 1 resynced after attach", |s| {
+        in_sync(s) && !s.local_detached && s.last_sync.is_some_and(|l| l.role == SyncRole::Target)
+    })
+    .await;
+    let last = s.last_sync.expect("a resync ran");
+    assert_eq!(
+        (last.kind, last.role, last.completed),
+        (SyncKind::Checksum, SyncRole::Target, true)
+    );
+    assert_same("replicas", &image(&*m1).await, &image(&*m2).await);
+}
+
+/// Cancel a running verify; change the resync rate of a running mirror.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn operator_cancels_a_verify_and_sets_the_rate() {
+    let (m1, m2) = (mem(8 * MIB), mem(8 * MIB));
+    let p = Pair::start(m1.clone(), m2.clone(), CALM_TIMEOUT).await;
+    assert!(p.d1.cancel_verify().await.is_err(), "no verify runs");
+    // Slow enough that the verify is still running when it is cancelled.
+    p.d1.set_resync_rate(ResyncRate::Fixed(256 * KIB))
+        .await
+        .unwrap();
+    p.d1.verify().await.unwrap();
+    wait_for(&p.d1, "verify running", |s| s.syncing).await;
+    let what = p.d1.cancel_verify().await.unwrap();
+    assert!(what.contains("cancelled"), "{what}");
+    let s = wait_for(&p.d1, "verify ended", |s| !s.syncing).await;
+    let last = s.last_sync.expect("the verify ended");
+    assert_eq!((last.kind, last.completed), (SyncKind::Verify, false));
+    // Back to dynamic: a new verify runs to the end.
+    p.d1.set_resync_rate(ResyncRate::Dynamic { max: 0 })
+        .await
+        .unwrap();
+    p.d1.verify().await.unwrap();
+    let s = wait_for(&p.d1, "verify done", |s| {
+        s.last_sync
+            .is_some_and(|l| l.kind == SyncKind::Verify && l.completed)
+    })
+    .await;
+    assert_eq!(s.last_sync.unwrap().mismatches, 0);
+}

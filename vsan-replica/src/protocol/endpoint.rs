@@ -2101,6 +2101,66 @@ impl Endpoint {
         }
     }
 
+    /// Detach the local replica on the operator's request: I/O is served through the
+    /// peer, which must be connected (nothing else would serve it), with no resync
+    /// running.
+    pub fn detach_local(&mut self) -> Result<String, String> {
+        if self.detached {
+            return Err("the local replica is detached already".into());
+        }
+        if self.state != LinkState::Connected {
+            return Err("detaching needs the peer connected: it serves the I/O".into());
+        }
+        if let Some(s) = &self.sync {
+            return Err(format!("a {} is running; detach once it ends", s.kind));
+        }
+        let peer = self.cfg.peer_id;
+        self.detach(format!(
+            "local replica detached by the operator; I/O is served by node {peer}"
+        ));
+        Ok(format!(
+            "local replica detached; node {peer} serves the I/O; `attach` resyncs it in full"
+        ))
+    }
+
+    /// Attach a detached local replica again. It missed every write since it was
+    /// detached, so it becomes the target of a full checksum resync from the peer at
+    /// once (reads of chunks not synced yet go to the peer). Needs the peer connected,
+    /// no resync running and working metadata.
+    pub fn attach_local(&mut self, now: Instant) -> Result<String, String> {
+        if !self.detached {
+            return Err("the local replica is attached".into());
+        }
+        if self.state != LinkState::Connected {
+            return Err(
+                "attaching needs the peer connected: the replica is resynced from it".into(),
+            );
+        }
+        if let Some(s) = &self.sync {
+            return Err(format!("a {} is running; attach once it ends", s.kind));
+        }
+        if self.meta.failed {
+            return Err("the replica's metadata failed: restart the node to attach it".into());
+        }
+        let peer = self.cfg.peer_id;
+        self.detached = false;
+        // Nothing the replica did before now is trusted.
+        self.loss_op_mark = self.next_op;
+        self.meta.sb.inconsistent = true;
+        self.meta.dirty_sb = true;
+        self.meta.bitmap.set_all();
+        self.meta
+            .dirty_blocks
+            .extend(0..self.meta.layout.bitmap_blocks());
+        self.meta_touch();
+        self.send(now, Message::SyncRequest);
+        self.start_sync(now, SyncRole::Target, true);
+        info!(disk = %self.cfg.disk_name, "local replica attached again: resyncing it in full from node {peer}");
+        Ok(format!(
+            "local replica attached; resyncing every chunk from node {peer} by checksum"
+        ))
+    }
+
     fn detach(&mut self, reason: String) {
         if self.detached {
             return;

@@ -277,6 +277,37 @@ impl Endpoint {
         Ok(())
     }
 
+    /// Stop the online verify this node runs. Chunks it found different stay marked
+    /// out of sync (their copy may have been cut short) and are copied at the next
+    /// resync; replies still on the wire are ignored.
+    pub fn cancel_verify(&mut self, now: Instant) -> Result<String, String> {
+        match &self.sync {
+            Some(s) if s.kind == SyncKind::Verify && s.role == SyncRole::Source => {
+                let (done, total) = (s.done_bytes, s.total_bytes);
+                self.abort_sync(now, "cancelled by the operator");
+                Ok(format!(
+                    "online verify cancelled after {done} of {total} bytes"
+                ))
+            }
+            Some(s) => Err(format!(
+                "no verify from this node runs (a {} runs as {:?})",
+                s.kind, s.role
+            )),
+            None => Err("no verify from this node runs".into()),
+        }
+    }
+
+    /// Change the resync rate, effective for the running pass too.
+    pub fn set_resync_rate(&mut self, now: Instant, rate: ResyncRate) -> String {
+        self.cfg.resync.rate = rate;
+        info!(disk = %self.cfg.disk_name, ?rate, "resync rate changed");
+        self.sync_pump(now);
+        match rate {
+            ResyncRate::Fixed(r) => format!("resync rate set to {r} bytes/s"),
+            ResyncRate::Dynamic { .. } => "resync rate set to dynamic".into(),
+        }
+    }
+
     pub(super) fn start_sync(&mut self, now: Instant, role: SyncRole, full: bool) {
         let kind = if full {
             SyncKind::Checksum
