@@ -3,6 +3,7 @@
 pub mod cache_bench;
 pub mod ffi_bench;
 pub mod latency;
+pub mod mgmt_client;
 pub mod pattern;
 pub mod resync_bench;
 pub mod transport_bench;

@@ -391,7 +391,7 @@ pub unsafe extern "C" fn vsan_disk_open(
             .node
             .lock()
             .as_ref()
-            .and_then(|inner| inner.disk(name).cloned())
+            .and_then(|inner| inner.disk(name))
             .ok_or_else(|| (VSAN_ERR_NOT_FOUND, format!("the node has no disk {name:?}")))?;
         let geometry = disk.device.geometry();
         let h = handles::register_disk(Arc::new(DiskObj {

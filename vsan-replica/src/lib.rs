@@ -1,20 +1,23 @@
-//! # vsan-replica (in progress)
+//! # vsan-replica
 //!
 //! Two-way synchronous mirroring: `MirroredDisk`, a
 //! [`BlockDevice`](vsan_core::BlockDevice) that writes every request to the local replica
 //! and the peer's at once and completes it only when both have it (protocol C), serves
 //! reads locally, and lets both nodes write the same disk at the same time.
-//! See `DESIGN.md` ("vsan-replica") for the whole plan.
 //!
-//! **Status:** the sans-IO protocol ([`protocol`]) works and is tested by driving two
-//! endpoints through every interleaving of message delivery and local I/O completion:
-//! handshake checks, protocol C writes, flush and FUA on both nodes, active-active
-//! ordering with a resolver, peer loss (degraded), local disk detach. The wire codec,
-//! transports, the tokio driver and `MirroredDisk` itself are not here yet.
+//! - [`protocol`]: the sans-IO state machine (handshake, protocol C writes, resync,
+//!   verify, split brain, quorum), tested through every interleaving of message delivery
+//!   and local I/O completion;
+//! - `MirroredDisk`: the tokio driver around it; [`meta`]: the on-disk metadata;
+//!   [`wire`] and [`transport`]: the replication frames and links; [`connect`]: dialing
+//!   and accepting; [`witness`]: the quorum witness client;
+//! - `mgmt` (feature `mgmt`): the gRPC management API, `vsan.mgmt.v1`.
 #![deny(missing_docs)]
 
 pub mod connect;
 pub mod meta;
+#[cfg(feature = "mgmt")]
+pub mod mgmt;
 mod mirror;
 pub mod protocol;
 pub mod transport;

@@ -10,6 +10,12 @@
 //!
 //! Once all listeners are bound it prints one line per disk on stdout,
 //! `ready disk=<name> nbd=<address>`, with the actual port when the config said port 0.
+//! With `node.metrics` it prints `ready metrics=<address>` before those: the node's
+//! metrics (per-disk I/O counts, bytes and latency, mirror link and resync state, cache
+//! dirty bytes) in the Prometheus text format at `GET /metrics` there. With `node.mgmt`
+//! it prints `ready mgmt=<address>` after the disks' lines: the gRPC management service
+//! (`vsan.mgmt.v1`, see `vsanctl`), with `node.mgmt_token` / `mgmt_token_file` for a
+//! bearer token and `node.mgmt_cert` + `mgmt_key` for TLS.
 //!
 //! A disk with `[disk.cache]` is served through a write-back cache (vsan-cache) on the
 //! cache file, in front of its image; under a mirror the cache is the local replica's
@@ -34,7 +40,7 @@
 //! - `sync disk=<name> done|interrupted kind=.. role=.. total=<bytes> done=<bytes> transferred=<bytes> mismatches=<n> elapsed_ms=<ms>`
 //! - `problem disk=<name> <reason>` when a link is refused or lost (a split brain, say).
 //!
-//! Operator actions until the management plane lands: `--discard-my-data NAME` resolves
+//! Operator actions without the management service: `--discard-my-data NAME` resolves
 //! a split brain by making this node's replica of NAME the sync target on the next
 //! connection; SIGUSR1 starts an online verify of every mirrored disk from this node.
 

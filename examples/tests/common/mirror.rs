@@ -35,6 +35,8 @@ pub struct Side {
     transport: &'static str,
     /// More `[[peer]]` lines (secret, lanes, certificates).
     peer_lines: String,
+    /// More `[node]` lines (the management service, say).
+    node_lines: String,
 }
 
 impl Side {
@@ -51,6 +53,7 @@ impl Side {
             resync_rate: None,
             transport: "tcp",
             peer_lines: String::new(),
+            node_lines: String::new(),
         }
     }
 
@@ -58,6 +61,12 @@ impl Side {
     pub fn transport(mut self, transport: &'static str, peer_lines: &str) -> Side {
         self.transport = transport;
         self.peer_lines = peer_lines.to_string();
+        self
+    }
+
+    /// More `[node]` lines (`key = value`, one per line).
+    pub fn node_lines(mut self, lines: &str) -> Side {
+        self.node_lines = lines.to_string();
         self
     }
 
@@ -110,6 +119,7 @@ impl Side {
         if let Some(q) = self.quorum {
             s += &format!("quorum = {}\n", toml_str(q));
         }
+        s += &self.node_lines;
         s += &format!(
             "\n[[peer]]\nid = {peer}\naddress = {}\ntransport = {}\n{}\n\
              [[disk]]\nname = {}\nsize = {}\npeer = {peer}\nnbd = \"127.0.0.1:0\"\n",

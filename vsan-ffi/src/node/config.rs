@@ -90,8 +90,22 @@ pub struct NodeSection {
     /// How long a silent peer is waited for before writes go on without it (ms).
     #[serde(default = "default_peer_timeout_ms")]
     pub peer_timeout_ms: u64,
-    /// gRPC management address (used once the management plane lands).
+    /// gRPC management address (`vsan.mgmt.v1`; `host:port`, port 0 for any free one).
+    /// Loopback unless TLS and a token are set: a node that serves it elsewhere without
+    /// them logs a warning. No management service when not given.
     pub mgmt: Option<String>,
+    /// Bearer token every management request must carry (`authorization: Bearer ..`).
+    pub mgmt_token: Option<String>,
+    /// File holding the bearer token (its first line), instead of `mgmt_token`.
+    pub mgmt_token_file: Option<PathBuf>,
+    /// TLS for the management service: certificate chain (PEM).
+    pub mgmt_cert: Option<PathBuf>,
+    /// TLS for the management service: private key (PEM).
+    pub mgmt_key: Option<PathBuf>,
+    /// Metrics address (`host:port`, port 0 for any free one): per-disk I/O counters and
+    /// latency, mirror link and resync state, cache dirty bytes, served in the
+    /// Prometheus text format at `GET /metrics`. No metrics endpoint when not given.
+    pub metrics: Option<String>,
     /// Quorum witness address ("host:port", a `vsan-witness`). With it, a node that
     /// loses its peer serves a mirrored disk only while the witness grants it the disk.
     pub witness: Option<String>,
@@ -479,6 +493,30 @@ impl Config {
                 ));
             }
             (None, Some(_)) => {}
+        }
+        if let Some(m) = &self.node.mgmt
+            && m.parse::<SocketAddr>().is_err()
+        {
+            return Err(err(
+                "node.mgmt",
+                format!("{m:?} is not an address such as \"127.0.0.1:7101\""),
+            ));
+        }
+        if self.node.mgmt_token.is_some() && self.node.mgmt_token_file.is_some() {
+            return Err(err(
+                "node.mgmt_token_file",
+                "give the token or a file holding it, not both",
+            ));
+        }
+        if self.node.mgmt_cert.is_some() != self.node.mgmt_key.is_some() {
+            return Err(err(
+                if self.node.mgmt_cert.is_some() {
+                    "node.mgmt_key"
+                } else {
+                    "node.mgmt_cert"
+                },
+                "TLS for the management service needs both mgmt_cert and mgmt_key",
+            ));
         }
         if let Some(w) = &self.node.witness
             && w.parse::<SocketAddr>().is_err()

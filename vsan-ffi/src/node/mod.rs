@@ -12,6 +12,9 @@
 //! marked clean) and then the caches (everything destaged).
 
 pub mod config;
+pub mod metrics;
+#[cfg(feature = "mgmt")]
+mod mgmt;
 pub mod transports;
 
 use std::collections::{BTreeMap, HashMap};
@@ -26,7 +29,7 @@ use vsan_cache::format::{self as cache_format, Superblock as CacheSuperblock};
 use vsan_cache::{DataLoss, FastDevice, WriteBackCache};
 use vsan_core::export::nbd::{Export, Server};
 use vsan_core::{BlockDevice, ErrorKind, FileOptions, Geometry, MemDevice};
-use vsan_replica::connect::{accept_loop, dial_loop};
+use vsan_replica::connect::{DiskRegistry, accept_loop_shared, dial_loop};
 use vsan_replica::meta::{self, DEFAULT_CHUNK_SIZE};
 use vsan_replica::protocol::{
     Config as MirrorConfig, DiskId, QuorumPolicy, ResyncRate, SplitBrainPolicy,
@@ -89,6 +92,11 @@ pub struct NodeDisk {
     pub mirror: Option<MirroredDisk>,
     /// The peer's node id, when the disk has a peer.
     pub peer_id: Option<u32>,
+    /// The transport the config asks for the peer ("tcp", "quic", "rdma", ...), when
+    /// the disk has a peer.
+    pub transport: Option<String>,
+    /// The NBD address the disk is exported on, and the server exporting it.
+    pub nbd: Option<(String, Server)>,
     /// The write-back cache under the mirror (or under clients), when configured.
     pub cache: Option<Arc<WriteBackCache>>,
 }
@@ -104,11 +112,59 @@ impl std::fmt::Debug for NodeDisk {
     }
 }
 
+/// What the management service changes while the node runs: the disks (those of the
+/// config and those an operator created), and what creating one needs.
+// Without the management service, only the disks and metrics are read.
+#[cfg_attr(not(feature = "mgmt"), allow(dead_code))]
+pub(crate) struct Shared {
+    /// The node's configuration.
+    pub(crate) config: Config,
+    pub(crate) witness: Option<WitnessClient>,
+    pub(crate) quorum: Option<QuorumPolicy>,
+    /// The transport that dials each peer, built on first use.
+    pub(crate) dialers: parking_lot::Mutex<HashMap<u32, Arc<dyn Transport>>>,
+    /// The acceptor's disks by name, when the node listens for peers.
+    pub(crate) accepting: Option<DiskRegistry>,
+    /// Every disk, in order.
+    pub(crate) disks: parking_lot::RwLock<Vec<NodeDisk>>,
+    /// What disks created at run time own besides their `NodeDisk`.
+    pub(crate) created: parking_lot::Mutex<HashMap<String, Created>>,
+    /// Creations and deletions run one at a time.
+    pub(crate) admin: tokio::sync::Mutex<()>,
+    /// The metrics of disks' I/O, when the node serves metrics: disks created at run
+    /// time are counted too.
+    pub(crate) meters: Option<metrics::DiskMeters>,
+}
+
+/// The tasks and NBD server of a disk created at run time.
+#[derive(Default)]
+#[cfg_attr(not(feature = "mgmt"), allow(dead_code))]
+pub(crate) struct Created {
+    /// Its dial loop, when this node dials its peer.
+    pub(crate) dial: Option<JoinHandle<()>>,
+    /// Its NBD server, the server's task and its Unix socket.
+    pub(crate) nbd: Option<(JoinHandle<vsan_core::Result<()>>, Server)>,
+    pub(crate) socket: Option<PathBuf>,
+}
+
+impl Created {
+    /// Stop its dial loop and NBD service (without waiting).
+    pub(crate) fn abort(&self) {
+        if let Some(d) = &self.dial {
+            d.abort();
+        }
+        if let Some((t, server)) = &self.nbd {
+            server.shutdown();
+            t.abort();
+        }
+    }
+}
+
 /// A running node: its disks, links and NBD servers. Dropping it without
 /// [`Node::shutdown`] stops its tasks but neither flushes nor closes anything.
 pub struct Node {
     id: u32,
-    disks: Vec<NodeDisk>,
+    shared: Arc<Shared>,
     mirrors: Vec<MirroredDisk>,
     servers: Vec<Server>,
     server_tasks: Vec<JoinHandle<vsan_core::Result<()>>>,
@@ -116,13 +172,16 @@ pub struct Node {
     sockets: Vec<PathBuf>,
     ready_lines: Vec<String>,
     replication_address: Option<String>,
+    #[cfg(feature = "mgmt")]
+    mgmt: Option<mgmt::Running>,
+    metrics: Option<metrics::MetricsEndpoint>,
 }
 
 impl std::fmt::Debug for Node {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Node")
             .field("id", &self.id)
-            .field("disks", &self.disks)
+            .field("disks", &*self.shared.disks.read())
             .finish_non_exhaustive()
     }
 }
@@ -139,13 +198,18 @@ impl Node {
     }
 
     /// The node's disks, in config order.
-    pub fn disks(&self) -> &[NodeDisk] {
-        &self.disks
+    pub fn disks(&self) -> Vec<NodeDisk> {
+        self.shared.disks.read().clone()
     }
 
     /// The disk called `name`.
-    pub fn disk(&self, name: &str) -> Option<&NodeDisk> {
-        self.disks.iter().find(|d| d.name == name)
+    pub fn disk(&self, name: &str) -> Option<NodeDisk> {
+        self.shared
+            .disks
+            .read()
+            .iter()
+            .find(|d| d.name == name)
+            .cloned()
     }
 
     /// The address the node listens on for its peers (`node.listen`, with the actual port
@@ -154,9 +218,25 @@ impl Node {
         self.replication_address.as_deref()
     }
 
+    /// The address the node serves its management API on (`node.mgmt`, with the actual
+    /// port when the config said port 0), if it does.
+    pub fn mgmt_address(&self) -> Option<String> {
+        #[cfg(feature = "mgmt")]
+        return self.mgmt.as_ref().map(|m| m.address.to_string());
+        #[cfg(not(feature = "mgmt"))]
+        None
+    }
+
+    /// The address the node serves its metrics on (`node.metrics`, with the actual port
+    /// when the config said port 0), if it does.
+    pub fn metrics_address(&self) -> Option<&str> {
+        self.metrics.as_ref().map(metrics::MetricsEndpoint::address)
+    }
+
     /// What the node reports once started, one line each: per cached disk
     /// `cache disk=<name> mode=.. open=formatted|clean|recovered records=.. dirty_bytes=..
-    /// log_bytes=..`, then `ready replication=<address>` when it listens for peers, then
+    /// log_bytes=..`, then `ready metrics=<address>` when it serves metrics (see
+    /// [`metrics`]), then `ready replication=<address>` when it listens for peers, then
     /// `ready disk=<name> nbd=<address>` per exported disk (with the actual port when the
     /// config said port 0).
     pub fn ready_lines(&self) -> &[String] {
@@ -169,8 +249,9 @@ impl Node {
         let discard = &options.discard_my_data;
         let node = &config.node;
         info!(id = node.id, data_dir = %node.data_dir.display(), "node starting");
+        #[cfg(not(feature = "mgmt"))]
         if let Some(v) = &node.mgmt {
-            warn!("node.mgmt = {v:?} is accepted but not used yet in this build");
+            warn!("node.mgmt = {v:?}: this build has no management service (feature `mgmt`)");
         }
         for name in discard {
             if !config
@@ -222,6 +303,27 @@ impl Node {
             })?;
             bound.push((addr, members, listener));
         }
+        let node_metrics = match &node.metrics {
+            Some(addr) => {
+                let m = metrics::NodeMetrics::bind(addr).await?;
+                ready_lines_pre.push(format!("ready metrics={}", m.address()));
+                Some(m)
+            }
+            None => None,
+        };
+
+        #[cfg(feature = "mgmt")]
+        let mgmt_listener = match &node.mgmt {
+            Some(addr) => Some(mgmt::bind(addr).await.map_err(|e| {
+                let m = format!("key `node.mgmt`: cannot listen on {addr}: {e}");
+                if e.kind() == std::io::ErrorKind::AddrInUse {
+                    StartError::AddressInUse(m)
+                } else {
+                    StartError::Config(m)
+                }
+            })?),
+            None => None,
+        };
 
         // One transport per peer; the listener speaks the transport of the peers that dial
         // this node (those with a lower id), which must agree.
@@ -291,7 +393,7 @@ impl Node {
         }
 
         let mut disks = Vec::new();
-        let mut mirrored = HashMap::new();
+        let mirrored: DiskRegistry = Arc::default();
         let mut mirrors: Vec<MirroredDisk> = Vec::new();
         let mut background = Tasks::default();
         let mut cache_lines = Vec::new();
@@ -333,38 +435,14 @@ impl Node {
                             "key `disk[{i}].peer`: no [[peer]] with id {peer_id}"
                         )));
                     };
-                    let g = local.geometry();
-                    let mut cfg = MirrorConfig::new(
-                        node.id,
+                    let cfg = mirror_config(
+                        node,
+                        &format!("disk[{i}]"),
+                        d,
                         peer_id,
-                        DiskId::from_name(&d.name),
-                        &d.name,
-                        g.size(),
-                        g.block_size(),
-                    );
-                    cfg.peer_timeout = Duration::from_millis(node.peer_timeout_ms);
-                    // Several pings per timeout, so one late ping never loses the peer.
-                    cfg.ping_interval = cfg.ping_interval.min(cfg.peer_timeout / 4);
-                    cfg.connect_timeout = Duration::from_millis(node.peer_timeout_ms);
-                    cfg.quorum = quorum;
-                    cfg.seed = rand::random();
-                    let key = |k: &str| format!("key `disk[{i}].{k}`");
-                    cfg.split_brain = match d
-                        .split_brain_policy()
-                        .map_err(|m| StartError::Config(format!("{}: {m}", key("split_brain"))))?
-                    {
-                        SplitBrain::Refuse => SplitBrainPolicy::Refuse,
-                        SplitBrain::DiscardZeroChanges => SplitBrainPolicy::DiscardZeroChanges,
-                        SplitBrain::DiscardLeastChanges => SplitBrainPolicy::DiscardLeastChanges,
-                        SplitBrain::DiscardNode(id) => SplitBrainPolicy::DiscardNode(id),
-                    };
-                    cfg.resync.rate = match d
-                        .rate()
-                        .map_err(|m| StartError::Config(format!("{}: {m}", key("resync_rate"))))?
-                    {
-                        Rate::Dynamic => ResyncRate::Dynamic { max: 0 },
-                        Rate::Fixed(r) => ResyncRate::Fixed(r),
-                    };
+                        local.geometry(),
+                        quorum,
+                    )?;
                     let chunk = d.bitmap_chunk.map_or(DEFAULT_CHUNK_SIZE, |c| c.0);
                     let replica = open_replica(d, &node.data_dir, &cfg, chunk, local).await?;
                     let disk = MirroredDisk::start(cfg, replica, witness.clone())
@@ -389,7 +467,7 @@ impl Node {
                     } else {
                         info!(disk = %d.name, peer = peer_id, "mirroring: waiting for the peer to connect");
                     }
-                    mirrored.insert(d.name.clone(), disk.clone());
+                    mirrored.write().insert(d.name.clone(), disk.clone());
                     mirrors.push(disk.clone());
                     Arc::new(disk)
                 }
@@ -398,16 +476,29 @@ impl Node {
                 Some(_) => mirrors.last().cloned(),
                 None => None,
             };
+            // Counted where clients (NBD, the C ABI) enter the disk.
+            let device = match &node_metrics {
+                Some(m) => m.wrap(&d.name, device),
+                None => device,
+            };
             disks.push(NodeDisk {
                 name: d.name.clone(),
                 device,
                 mirror,
                 peer_id: d.peer,
+                transport: d.peer.and_then(|id| {
+                    config
+                        .peer
+                        .iter()
+                        .find(|p| p.id == id)
+                        .map(|p| p.transport.clone())
+                }),
+                nbd: None,
                 cache: disk_cache,
             });
         }
         if let Some(l) = replication {
-            background.push(tokio::spawn(accept_loop(l, mirrored)));
+            background.push(tokio::spawn(accept_loop_shared(l, Arc::clone(&mirrored))));
         }
 
         let mut servers = Vec::new();
@@ -431,6 +522,9 @@ impl Node {
                 );
             }
             let server = Server::new(exports).map_err(|e| StartError::Config(e.to_string()))?;
+            for &i in &members {
+                disks[i].nbd = Some((shown.clone(), server.clone()));
+            }
             servers.push((server, listener));
         }
 
@@ -457,9 +551,47 @@ impl Node {
                 .count(),
             "node ready"
         );
+        let shared = Arc::new(Shared {
+            config: config.clone(),
+            witness,
+            quorum,
+            dialers: parking_lot::Mutex::new(
+                peer_transports
+                    .iter()
+                    .map(|(id, t)| (*id, Arc::clone(&t.dial)))
+                    .collect(),
+            ),
+            accepting: node.listen.as_ref().map(|_| Arc::clone(&mirrored)),
+            disks: parking_lot::RwLock::new(disks),
+            created: parking_lot::Mutex::new(HashMap::new()),
+            admin: tokio::sync::Mutex::new(()),
+            meters: node_metrics.as_ref().map(|m| m.meters().clone()),
+        });
+        // Scrapes read the disks as they are then (an operator may add or remove some).
+        let metrics = node_metrics.map(|m| {
+            let shared = Arc::downgrade(&shared);
+            m.serve(move || {
+                shared
+                    .upgrade()
+                    .map(|s| s.disks.read().clone())
+                    .unwrap_or_default()
+            })
+        });
+        #[cfg(feature = "mgmt")]
+        let mgmt = match mgmt_listener {
+            Some(l) => {
+                let running =
+                    mgmt::serve(node, l, Arc::clone(&shared)).map_err(StartError::Config)?;
+                ready_lines.push(format!("ready mgmt={}", running.address));
+                Some(running)
+            }
+            None => None,
+        };
         Ok(Node {
+            #[cfg(feature = "mgmt")]
+            mgmt,
             id: node.id,
-            disks,
+            shared,
             mirrors,
             servers: running,
             server_tasks,
@@ -467,6 +599,7 @@ impl Node {
             sockets,
             ready_lines,
             replication_address,
+            metrics,
         })
     }
 
@@ -480,9 +613,18 @@ impl Node {
             id = self.id,
             "shutting down: no new connections or requests; finishing requests in flight"
         );
+        // Operators' requests act on the disks: they end first.
+        #[cfg(feature = "mgmt")]
+        if let Some(mut m) = self.mgmt.take() {
+            m.stop().await;
+        }
         let servers = std::mem::take(&mut self.servers);
         for server in &servers {
             server.shutdown();
+        }
+        // Scrapes read the disks' state: stop them before the disks close.
+        if let Some(m) = self.metrics.take() {
+            m.stop().await;
         }
         for t in std::mem::take(&mut self.server_tasks) {
             let _ = t.await;
@@ -496,7 +638,14 @@ impl Node {
         if drained.is_err() {
             warn!("some clients did not finish within {DRAIN_TIMEOUT:?}; closing them");
         }
-        let disks = std::mem::take(&mut self.disks);
+        // Disks an operator created: their own NBD servers and dialers stop here too.
+        let created: Vec<Created> = self.shared.created.lock().drain().map(|(_, c)| c).collect();
+        for c in &created {
+            if let Some((_, server)) = &c.nbd {
+                server.shutdown();
+            }
+        }
+        let disks = std::mem::take(&mut *self.shared.disks.write());
         let mut failed = Vec::new();
         for disk in &disks {
             match disk.device.flush().await {
@@ -507,7 +656,16 @@ impl Node {
                 }
             }
         }
-        let background = std::mem::take(&mut self.background);
+        let mut background = std::mem::take(&mut self.background);
+        for c in created {
+            background.extend(c.dial);
+            if let Some((t, _)) = c.nbd {
+                let _ = t.await;
+            }
+            if let Some(path) = c.socket {
+                let _ = std::fs::remove_file(path);
+            }
+        }
         for task in &background {
             task.abort();
         }
@@ -515,7 +673,9 @@ impl Node {
             // An aborted task has dropped what it held once this returns.
             let _ = task.await;
         }
-        let mirrors = std::mem::take(&mut self.mirrors);
+        // Every mirror the node has now (created ones too; deleted ones are closed).
+        self.mirrors.clear();
+        let mirrors: Vec<MirroredDisk> = disks.iter().filter_map(|d| d.mirror.clone()).collect();
         for disk in &mirrors {
             match tokio::time::timeout(DRAIN_TIMEOUT, disk.close()).await {
                 Ok(Ok(())) => info!(disk = disk.name(), "metadata marked clean"),
@@ -549,6 +709,9 @@ impl Node {
 
 impl Drop for Node {
     fn drop(&mut self) {
+        for c in self.shared.created.lock().values() {
+            c.abort();
+        }
         for t in &self.background {
             t.abort();
         }
@@ -581,6 +744,50 @@ impl Drop for Tasks {
             t.abort();
         }
     }
+}
+
+/// The mirror configuration of disk `d` (config key `key`, "disk[0]") with peer
+/// `peer_id`.
+pub(crate) fn mirror_config(
+    node: &config::NodeSection,
+    key: &str,
+    d: &DiskSection,
+    peer_id: u32,
+    g: Geometry,
+    quorum: Option<QuorumPolicy>,
+) -> Result<MirrorConfig, StartError> {
+    let mut cfg = MirrorConfig::new(
+        node.id,
+        peer_id,
+        DiskId::from_name(&d.name),
+        &d.name,
+        g.size(),
+        g.block_size(),
+    );
+    cfg.peer_timeout = Duration::from_millis(node.peer_timeout_ms);
+    // Several pings per timeout, so one late ping never loses the peer.
+    cfg.ping_interval = cfg.ping_interval.min(cfg.peer_timeout / 4);
+    cfg.connect_timeout = Duration::from_millis(node.peer_timeout_ms);
+    cfg.quorum = quorum;
+    cfg.seed = rand::random();
+    let key = |k: &str| format!("key `{key}.{k}`");
+    cfg.split_brain = match d
+        .split_brain_policy()
+        .map_err(|m| StartError::Config(format!("{}: {m}", key("split_brain"))))?
+    {
+        SplitBrain::Refuse => SplitBrainPolicy::Refuse,
+        SplitBrain::DiscardZeroChanges => SplitBrainPolicy::DiscardZeroChanges,
+        SplitBrain::DiscardLeastChanges => SplitBrainPolicy::DiscardLeastChanges,
+        SplitBrain::DiscardNode(id) => SplitBrainPolicy::DiscardNode(id),
+    };
+    cfg.resync.rate = match d
+        .rate()
+        .map_err(|m| StartError::Config(format!("{}: {m}", key("resync_rate"))))?
+    {
+        Rate::Dynamic => ResyncRate::Dynamic { max: 0 },
+        Rate::Fixed(r) => ResyncRate::Fixed(r),
+    };
+    Ok(cfg)
 }
 
 /// Open (or create) disk `i` of the config.
