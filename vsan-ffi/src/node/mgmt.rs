@@ -317,16 +317,27 @@ fn status_from(e: vsan_core::Error) -> Status {
 }
 
 impl Service {
+    /// Run an action on mirrored disk `name`, log what it did and answer with it.
+    async fn act<F, Fut>(
+        &self,
+        name: &str,
+        action: F,
+    ) -> Result<Response<v1::ActionResponse>, Status>
+    where
+        F: FnOnce(vsan_replica::MirroredDisk) -> Fut,
+        Fut: std::future::Future<Output = vsan_core::Result<String>>,
+    {
+        let what = action(self.mirror(name)?).await.map_err(status_from)?;
+        info!(disk = %name, "management: {what}");
+        done(format!("disk {name}: {what}"))
+    }
+
     fn disk(&self, name: &str) -> Result<NodeDisk, Status> {
         if name.is_empty() {
             return Err(Status::invalid_argument("a disk name is required"));
         }
         self.shared
-            .disks
-            .read()
-            .iter()
-            .find(|d| d.name == name)
-            .cloned()
+            .disk(name)
             .ok_or_else(|| Status::not_found(format!("node {} has no disk {name:?}", self.node_id)))
     }
 
@@ -430,9 +441,12 @@ impl Mgmt for Service {
         req: Request<v1::DiskRequest>,
     ) -> Result<Response<v1::ActionResponse>, Status> {
         let name = req.into_inner().name;
-        self.mirror(&name)?.verify().await.map_err(status_from)?;
-        info!(disk = %name, "management: online verify started");
-        done(format!("disk {name}: online verify started"))
+        self.act(&name, |m| async move {
+            m.verify()
+                .await
+                .map(|()| "online verify started".to_string())
+        })
+        .await
     }
 
     async fn cancel_verify(
@@ -440,13 +454,8 @@ impl Mgmt for Service {
         req: Request<v1::DiskRequest>,
     ) -> Result<Response<v1::ActionResponse>, Status> {
         let name = req.into_inner().name;
-        let what = self
-            .mirror(&name)?
-            .cancel_verify()
+        self.act(&name, |m| async move { m.cancel_verify().await })
             .await
-            .map_err(status_from)?;
-        info!(disk = %name, "management: {what}");
-        done(format!("disk {name}: {what}"))
     }
 
     async fn set_resync_rate(
@@ -458,13 +467,8 @@ impl Mgmt for Service {
             0 => ResyncRate::Dynamic { max: 0 },
             r => ResyncRate::Fixed(r),
         };
-        let what = self
-            .mirror(&req.name)?
-            .set_resync_rate(rate)
+        self.act(&req.name, |m| async move { m.set_resync_rate(rate).await })
             .await
-            .map_err(status_from)?;
-        info!(disk = %req.name, "management: {what}");
-        done(format!("disk {}: {what}", req.name))
     }
 
     async fn set_cache_mode(
@@ -527,13 +531,8 @@ impl Mgmt for Service {
         req: Request<v1::DiskRequest>,
     ) -> Result<Response<v1::ActionResponse>, Status> {
         let name = req.into_inner().name;
-        let what = self
-            .mirror(&name)?
-            .detach_local()
+        self.act(&name, |m| async move { m.detach_local().await })
             .await
-            .map_err(status_from)?;
-        info!(disk = %name, "management: {what}");
-        done(format!("disk {name}: {what}"))
     }
 
     async fn attach_local(
@@ -541,13 +540,8 @@ impl Mgmt for Service {
         req: Request<v1::DiskRequest>,
     ) -> Result<Response<v1::ActionResponse>, Status> {
         let name = req.into_inner().name;
-        let what = self
-            .mirror(&name)?
-            .attach_local()
+        self.act(&name, |m| async move { m.attach_local().await })
             .await
-            .map_err(status_from)?;
-        info!(disk = %name, "management: {what}");
-        done(format!("disk {name}: {what}"))
     }
 }
 

@@ -136,6 +136,13 @@ pub(crate) struct Shared {
     pub(crate) meters: Option<metrics::DiskMeters>,
 }
 
+impl Shared {
+    /// The disk called `name`.
+    pub(crate) fn disk(&self, name: &str) -> Option<NodeDisk> {
+        self.disks.read().iter().find(|d| d.name == name).cloned()
+    }
+}
+
 /// The tasks and NBD server of a disk created at run time.
 #[derive(Default)]
 #[cfg_attr(not(feature = "mgmt"), allow(dead_code))]
@@ -204,12 +211,7 @@ impl Node {
 
     /// The disk called `name`.
     pub fn disk(&self, name: &str) -> Option<NodeDisk> {
-        self.shared
-            .disks
-            .read()
-            .iter()
-            .find(|d| d.name == name)
-            .cloned()
+        self.shared.disk(name)
     }
 
     /// The address the node listens on for its peers (`node.listen`, with the actual port

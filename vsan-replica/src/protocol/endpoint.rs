@@ -2145,6 +2145,19 @@ impl Endpoint {
         let peer = self.cfg.peer_id;
         self.detached = false;
         // Nothing the replica did before now is trusted.
+        self.distrust_replica();
+        self.send(now, Message::SyncRequest);
+        self.start_sync(now, SyncRole::Target, true);
+        info!(disk = %self.cfg.disk_name, "local replica attached again: resyncing it in full from node {peer}");
+        Ok(format!(
+            "local replica attached; resyncing every chunk from node {peer} by checksum"
+        ))
+    }
+
+    /// Trust nothing of the local replica until a full resync has compared it with the
+    /// peer's: local operations issued so far do not count, it is marked inconsistent
+    /// with every chunk out of sync, durably.
+    fn distrust_replica(&mut self) {
         self.loss_op_mark = self.next_op;
         self.meta.sb.inconsistent = true;
         self.meta.dirty_sb = true;
@@ -2153,12 +2166,6 @@ impl Endpoint {
             .dirty_blocks
             .extend(0..self.meta.layout.bitmap_blocks());
         self.meta_touch();
-        self.send(now, Message::SyncRequest);
-        self.start_sync(now, SyncRole::Target, true);
-        info!(disk = %self.cfg.disk_name, "local replica attached again: resyncing it in full from node {peer}");
-        Ok(format!(
-            "local replica attached; resyncing every chunk from node {peer} by checksum"
-        ))
     }
 
     fn detach(&mut self, reason: String) {
@@ -2204,14 +2211,7 @@ impl Endpoint {
             );
             return;
         }
-        self.loss_op_mark = self.next_op;
-        self.meta.sb.inconsistent = true;
-        self.meta.dirty_sb = true;
-        self.meta.bitmap.set_all();
-        self.meta
-            .dirty_blocks
-            .extend(0..self.meta.layout.bitmap_blocks());
-        self.meta_touch();
+        self.distrust_replica();
         let peer = self.cfg.peer_id;
         let running = self.sync.as_ref().map(|s| (s.kind, s.role));
         let action = match (self.state, running.map(|(k, _)| k)) {
