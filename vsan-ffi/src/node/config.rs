@@ -502,6 +502,14 @@ impl Config {
                 format!("{m:?} is not an address such as \"127.0.0.1:7101\""),
             ));
         }
+        if let Some(t) = &self.node.mgmt_token
+            && (t.trim().is_empty() || t.trim() != t)
+        {
+            return Err(err(
+                "node.mgmt_token",
+                "must not be empty or have spaces around it",
+            ));
+        }
         if self.node.mgmt_token.is_some() && self.node.mgmt_token_file.is_some() {
             return Err(err(
                 "node.mgmt_token_file",

@@ -94,6 +94,8 @@ const MAX_CONNECTIONS: usize = 64;
 
 /// How long a connection may take to send its request headers.
 const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+/// The longest a metrics connection is kept, whatever it does.
+const CONNECTION_LIMIT: Duration = Duration::from_secs(10);
 
 /// A latency histogram whose buckets are atomics: observing is a few relaxed adds.
 #[derive(Debug, Clone, Default)]
@@ -733,11 +735,18 @@ async fn serve_connection(stream: TcpStream, registry: Arc<Registry>) {
     builder
         .timer(TokioTimer::new())
         .header_read_timeout(HEADER_TIMEOUT);
-    if let Err(e) = builder
-        .serve_connection(TokioIo::new(stream), service)
-        .await
-    {
-        debug!("metrics: connection ended: {e}");
+    let conn = builder.serve_connection(TokioIo::new(stream), service);
+    tokio::pin!(conn);
+    // A connection lives at most CONNECTION_LIMIT: a client that sends requests but
+    // never reads the answers must not hold one of the few slots for good.
+    match tokio::time::timeout(CONNECTION_LIMIT, conn.as_mut()).await {
+        Ok(Err(e)) => debug!("metrics: connection ended: {e}"),
+        Ok(Ok(())) => {}
+        Err(_) => {
+            debug!("metrics: connection open for {CONNECTION_LIMIT:?}: closed");
+            conn.as_mut().graceful_shutdown();
+            let _ = tokio::time::timeout(Duration::from_secs(1), conn).await;
+        }
     }
 }
 

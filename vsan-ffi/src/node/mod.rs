@@ -661,8 +661,15 @@ impl Node {
         let mut background = std::mem::take(&mut self.background);
         for c in created {
             background.extend(c.dial);
-            if let Some((t, _)) = c.nbd {
+            if let Some((t, server)) = c.nbd {
                 let _ = t.await;
+                // Its requests in flight end before the final flush, as the config's do.
+                if tokio::time::timeout(DRAIN_TIMEOUT, server.wait_idle())
+                    .await
+                    .is_err()
+                {
+                    warn!("some clients did not finish within {DRAIN_TIMEOUT:?}; closing them");
+                }
             }
             if let Some(path) = c.socket {
                 let _ = std::fs::remove_file(path);
@@ -1114,7 +1121,16 @@ async fn bind(addr: &NbdAddr) -> std::io::Result<Listener> {
     match addr {
         NbdAddr::Tcp(a) => Ok(Listener::Tcp(TcpListener::bind(a).await?)),
         NbdAddr::Unix(p) => {
-            if p.exists() {
+            if let Ok(meta) = std::fs::symlink_metadata(p) {
+                use std::os::unix::fs::FileTypeExt;
+                // Only a socket is ever replaced: any other file at the path (an image,
+                // say) is refused, never removed.
+                if !meta.file_type().is_socket() {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::AlreadyExists,
+                        format!("{} exists and is not a socket", p.display()),
+                    ));
+                }
                 // A socket someone still answers on is in use; a dead one is stale.
                 if tokio::net::UnixStream::connect(p).await.is_ok() {
                     return Err(std::io::Error::from(std::io::ErrorKind::AddrInUse));

@@ -2115,6 +2115,9 @@ impl Endpoint {
             return Err(format!("a {} is running; detach once it ends", s.kind));
         }
         let peer = self.cfg.peer_id;
+        // Writes from now on reach the peer only: the replica is marked, durably, as
+        // needing a full resync, so a restart while detached cannot trust it.
+        self.distrust_replica();
         self.detach(format!(
             "local replica detached by the operator; I/O is served by node {peer}"
         ));
