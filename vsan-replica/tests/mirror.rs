@@ -1948,3 +1948,48 @@ async fn peer_lost_during_the_attach_resync_serves_no_stale_data() {
     }
     assert!(d1.status().inconsistent);
 }
+
+/// Like `a_restart_while_detached_does_not_trust_the_replica`, for a replica detached by
+/// a failing disk whose next start finds it working again (a transient fault): the
+/// writes it missed come from the peer, not old data from its disk.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_replica_detached_by_a_fault_is_resynced_in_full_after_a_restart() {
+    let size = 32 * MIB;
+    let (f1, m2) = (faulty(size), mem(size));
+    let d2 = start(config(2, size, DISK_ID, CALM_TIMEOUT), m2.clone()).await;
+    let (addr, _accept) = serve(&d2, "127.0.0.1:0").await;
+    let (d1, meta1) = start_kept(config(1, size, DISK_ID, CALM_TIMEOUT), f1.clone()).await;
+    let dialer = dial(&d1, &addr);
+    wait_for(&d1, "node 1 in sync", in_sync).await;
+    let mut rng = SmallRng::seed_from_u64(11);
+    f1.set_faults(FaultConfig::new());
+    let new = random_bytes(&mut rng, 64 * KIB as usize);
+    write(&d1, 16 * MIB, new.clone(), IoFlags::FUA).await;
+    wait_for(&d1, "node 1 detached", |s| s.local_detached).await;
+    // Written while detached, in an activity-log extent node 1 never touched.
+    let later = random_bytes(&mut rng, 64 * KIB as usize);
+    write(&d1, 24 * MIB, later.clone(), IoFlags::FUA).await;
+    flush(&d1, "node 1 (detached)").await;
+    let _ = within("close node 1", d1.close()).await;
+    dialer.abort();
+    drop(d1);
+    // The disk works again at the next start.
+    f1.clear_faults();
+    let d1 = restart(config(1, size, DISK_ID, CALM_TIMEOUT), f1.clone(), meta1).await;
+    let _dialer = dial(&d1, &addr);
+    wait_for(&d1, "node 1 resynced after its restart", |s| {
+        in_sync(s) && s.last_sync.is_some_and(|l| l.completed)
+    })
+    .await;
+    assert_eq!(
+        read(&d1, 16 * MIB, 64 * KIB).await,
+        new,
+        "node 1 serves the write that failed on its disk"
+    );
+    assert_eq!(
+        read(&d1, 24 * MIB, 64 * KIB).await,
+        later,
+        "node 1 serves the write it missed while detached"
+    );
+    assert_same("replicas", &image(&*f1).await, &image(&*m2).await);
+}

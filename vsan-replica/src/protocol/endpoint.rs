@@ -2094,6 +2094,12 @@ impl Endpoint {
     }
 
     fn local_failed(&mut self, kind: ErrorKind) {
+        if !self.detached && !self.meta.failed {
+            // Writes from now on reach the peer only: a restart must not trust the
+            // replica (its disk may work again, with old data), so it is marked,
+            // durably, for a full resync.
+            self.distrust_replica();
+        }
         if !self.detached {
             self.detach(format!(
                 "local replica failed ({kind}); serving I/O through the peer"
