@@ -1993,3 +1993,30 @@ async fn a_replica_detached_by_a_fault_is_resynced_in_full_after_a_restart() {
     );
     assert_same("replicas", &image(&*f1).await, &image(&*m2).await);
 }
+
+/// A write acknowledged by the peer alone while the replica is detached completes only
+/// once the metadata that distrusts the replica is durable: node 1's metadata device is
+/// slow, and the first write after the detach waits for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_detached_write_waits_for_the_distrust_to_be_durable() {
+    let (d1, _d2, meta, _accept) = pair_with_meta(mem(MIB), mem(MIB)).await;
+    let slow = Duration::from_millis(400);
+    meta.inner.set_latency(slow);
+    d1.detach_local().await.unwrap();
+    let t = Instant::now();
+    write(
+        &d1,
+        64 * KIB,
+        Bytes::from(vec![7u8; 4096]),
+        IoFlags::empty(),
+    )
+    .await;
+    let waited = t.elapsed();
+    meta.inner.set_latency(Duration::ZERO);
+    assert!(
+        waited >= slow / 2,
+        "the write completed after {waited:?}, before the metadata write ({slow:?}) that \
+         marks the replica distrusted"
+    );
+    assert!(d1.status().inconsistent, "{:?}", d1.status());
+}

@@ -481,6 +481,9 @@ pub struct Endpoint {
     /// Local operations with ids below this were issued before the local replica last
     /// lost data (`local_data_lost`): their results are not trusted.
     loss_op_mark: u64,
+    /// The metadata generation that records the replica as distrusted (0: never):
+    /// writes that reach the peer only wait for it to be durable.
+    distrust_mgen: u64,
     last_rx: Instant,
     last_tx: Instant,
     next_request: u64,
@@ -621,6 +624,7 @@ impl Endpoint {
             handshaking: false,
             detached: false,
             loss_op_mark: 0,
+            distrust_mgen: 0,
             last_rx: now,
             last_tx: now,
             next_request: 1,
@@ -2174,7 +2178,7 @@ impl Endpoint {
         self.meta
             .dirty_blocks
             .extend(0..self.meta.layout.bitmap_blocks());
-        self.meta_touch();
+        self.distrust_mgen = self.meta_touch();
     }
 
     fn detach(&mut self, reason: String) {
@@ -2283,8 +2287,20 @@ impl Endpoint {
         let mirrored = remote == Some(Status::Ok);
         let result = match local {
             Ok(()) if mirrored => Ok(()),
-            // Local replica detached; the peer holds the data.
-            Err(_) if mirrored => Ok(()),
+            // Local replica detached; the peer holds the data. Acknowledged once the
+            // metadata says, durably, that the replica is not to be trusted: a restart
+            // must not serve this block from it.
+            Err(_) if mirrored => {
+                if !self.meta_durable(self.distrust_mgen) {
+                    let mgen = self.distrust_mgen;
+                    if let Some(w) = self.own_writes.get_mut(&req) {
+                        w.bits_pending = true;
+                    }
+                    self.meta.waiters.push((mgen, MetaWaiter::OwnWrite(req)));
+                    return;
+                }
+                Ok(())
+            }
             Err(k) => Err(k),
             // One good copy, on this node: the chunks differ from the peer's until a
             // resync, and the bitmap must say so durably before anyone is told.
