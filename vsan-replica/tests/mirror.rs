@@ -1872,6 +1872,22 @@ async fn operator_cancels_a_verify_and_sets_the_rate() {
     assert_eq!(s.last_sync.unwrap().mismatches, 0);
 }
 
+/// Node 1 starts again over `local` and `meta`, dials `addr`, and has resynced.
+async fn restart_and_resync(
+    size: u64,
+    local: Arc<dyn BlockDevice>,
+    meta: Arc<dyn BlockDevice>,
+    addr: &str,
+) -> (MirroredDisk, JoinHandle<()>) {
+    let d1 = restart(config(1, size, DISK_ID, CALM_TIMEOUT), local, meta).await;
+    let dialer = dial(&d1, addr);
+    wait_for(&d1, "node 1 resynced after its restart", |s| {
+        in_sync(s) && s.last_sync.is_some_and(|l| l.completed)
+    })
+    .await;
+    (d1, dialer)
+}
+
 /// Review finding: a node that restarted while its replica was detached trusted it:
 /// only its activity log was resynced, and the write acknowledged by the peer alone
 /// while detached read back as zeros. Detaching now marks the replica, durably, for a
@@ -1904,12 +1920,7 @@ async fn a_restart_while_detached_does_not_trust_the_replica() {
     within("close node 1", d1.close()).await.unwrap();
     dialer.abort();
     drop(d1);
-    let d1 = restart(config(1, size, DISK_ID, CALM_TIMEOUT), m1.clone(), meta1).await;
-    let _dialer = dial(&d1, &addr);
-    wait_for(&d1, "node 1 resynced after its restart", |s| {
-        in_sync(s) && s.last_sync.is_some_and(|l| l.completed)
-    })
-    .await;
+    let (d1, _dialer) = restart_and_resync(size, m1.clone(), meta1, &addr).await;
     assert_eq!(
         read(&d1, 16 * MIB, 64 * KIB).await,
         new,
@@ -1975,12 +1986,7 @@ async fn a_replica_detached_by_a_fault_is_resynced_in_full_after_a_restart() {
     drop(d1);
     // The disk works again at the next start.
     f1.clear_faults();
-    let d1 = restart(config(1, size, DISK_ID, CALM_TIMEOUT), f1.clone(), meta1).await;
-    let _dialer = dial(&d1, &addr);
-    wait_for(&d1, "node 1 resynced after its restart", |s| {
-        in_sync(s) && s.last_sync.is_some_and(|l| l.completed)
-    })
-    .await;
+    let (d1, _dialer) = restart_and_resync(size, f1.clone(), meta1, &addr).await;
     assert_eq!(
         read(&d1, 16 * MIB, 64 * KIB).await,
         new,
