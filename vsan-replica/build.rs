@@ -10,6 +10,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     {
         let fds = protox::compile(["proto/mgmt.proto"], ["proto"])?;
         tonic_prost_build::configure()
+            .codec_path("crate::mgmt::Codec")
             .build_server(true)
             .build_client(true)
             .compile_fds(fds)?;

@@ -17,6 +17,60 @@ pub mod v1 {
     tonic::include_proto!("vsan.mgmt.v1");
 }
 
+/// The codec of `vsan.mgmt.v1`: prost's, except that a message that does not decode is
+/// `INVALID_ARGUMENT` (the caller sent a malformed request) rather than prost's
+/// `INTERNAL`.
+#[derive(Debug, Clone)]
+pub struct Codec<T, U>(tonic_prost::ProstCodec<T, U>);
+
+impl<T, U> Default for Codec<T, U> {
+    fn default() -> Self {
+        Codec(tonic_prost::ProstCodec::default())
+    }
+}
+
+impl<T, U> tonic::codec::Codec for Codec<T, U>
+where
+    T: prost::Message + Send + 'static,
+    U: prost::Message + Default + Send + 'static,
+{
+    type Encode = T;
+    type Decode = U;
+    type Encoder = tonic_prost::ProstEncoder<T>;
+    type Decoder = Decoder<U>;
+
+    fn encoder(&mut self) -> Self::Encoder {
+        self.0.encoder()
+    }
+
+    fn decoder(&mut self) -> Self::Decoder {
+        Decoder(self.0.decoder())
+    }
+}
+
+/// The decoder of [`Codec`].
+#[derive(Debug)]
+pub struct Decoder<U>(tonic_prost::ProstDecoder<U>);
+
+impl<U: prost::Message + Default> tonic::codec::Decoder for Decoder<U> {
+    type Item = U;
+    type Error = Status;
+
+    fn decode(&mut self, buf: &mut tonic::codec::DecodeBuf<'_>) -> Result<Option<U>, Status> {
+        self.0.decode(buf).map_err(|s| {
+            if s.code() == tonic::Code::Internal {
+                Status::invalid_argument(format!("malformed message: {}", s.message()))
+            } else {
+                s
+            }
+        })
+    }
+
+    fn buffer_settings(&self) -> tonic::codec::BufferSettings {
+        self.0.buffer_settings()
+    }
+}
+
 /// Server side: requests must carry `authorization: Bearer <token>` when a token is set.
 /// Compared in constant time; a missing or wrong token is `UNAUTHENTICATED`.
 #[derive(Clone)]
