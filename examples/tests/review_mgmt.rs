@@ -1,6 +1,7 @@
 //! Review findings on the management plane, each reproduced against a node started in
 //! process: an NBD socket path never removes another file, a metrics endpoint cannot be
-//! locked out by clients that never read, and an empty token is refused.
+//! locked out by clients that never read, and an empty token is refused; and the cache
+//! mode set through the API.
 
 use std::time::Duration;
 
@@ -107,4 +108,63 @@ fn an_empty_or_padded_token_is_refused_by_the_config() {
         let e = Config::parse(&text).expect_err(token);
         assert!(e.to_string().contains("mgmt_token"), "{e}");
     }
+}
+
+/// SetCacheMode on a cached disk: the status shows the new mode; an unspecified mode
+/// is INVALID_ARGUMENT; a disk without a cache is FAILED_PRECONDITION.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cache_mode_set_through_the_api() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("vol0.cache");
+    let n = node(
+        dir.path(),
+        "",
+        &format!(
+            "[[disk]]\nname = \"vol0\"\nsize = \"4MiB\"\n\n[disk.cache]\npath = {:?}\nsize = \"8MiB\"\n\n\
+             [[disk]]\nname = \"plain\"\nsize = \"1MiB\"\nbacking = \"mem\"\n",
+            cache.display().to_string()
+        ),
+    )
+    .await;
+    let mut c = client(&n).await;
+    let mode = |s: &v1::DiskStatus| s.cache.as_ref().map(|c| c.mode);
+    let s = c
+        .get_disk_status(v1::DiskRequest {
+            name: "vol0".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(mode(&s), Some(v1::CacheMode::WriteBack as i32), "{s:?}");
+    c.set_cache_mode(v1::SetCacheModeRequest {
+        name: "vol0".into(),
+        mode: v1::CacheMode::WriteThrough as i32,
+    })
+    .await
+    .unwrap();
+    let s = c
+        .get_disk_status(v1::DiskRequest {
+            name: "vol0".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(mode(&s), Some(v1::CacheMode::WriteThrough as i32), "{s:?}");
+    let e = c
+        .set_cache_mode(v1::SetCacheModeRequest {
+            name: "vol0".into(),
+            mode: 0,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    let e = c
+        .set_cache_mode(v1::SetCacheModeRequest {
+            name: "plain".into(),
+            mode: v1::CacheMode::WriteBack as i32,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+    n.shutdown().await.unwrap();
 }
