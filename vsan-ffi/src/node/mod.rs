@@ -172,7 +172,6 @@ impl Created {
 pub struct Node {
     id: u32,
     shared: Arc<Shared>,
-    mirrors: Vec<MirroredDisk>,
     servers: Vec<Server>,
     server_tasks: Vec<JoinHandle<vsan_core::Result<()>>>,
     background: Vec<JoinHandle<()>>,
@@ -396,7 +395,6 @@ impl Node {
 
         let mut disks = Vec::new();
         let mirrored: DiskRegistry = Arc::default();
-        let mut mirrors: Vec<MirroredDisk> = Vec::new();
         let mut background = Tasks::default();
         let mut cache_lines = Vec::new();
         for (i, d) in config.disk.iter().enumerate() {
@@ -429,8 +427,8 @@ impl Node {
                 }
                 _ => backing,
             };
-            let device: Arc<dyn BlockDevice> = match d.peer {
-                None => local,
+            let (device, mirror): (Arc<dyn BlockDevice>, Option<MirroredDisk>) = match d.peer {
+                None => (local, None),
                 Some(peer_id) => {
                     let Some(peer) = config.peer.iter().find(|p| p.id == peer_id) else {
                         return Err(StartError::Config(format!(
@@ -470,13 +468,8 @@ impl Node {
                         info!(disk = %d.name, peer = peer_id, "mirroring: waiting for the peer to connect");
                     }
                     mirrored.write().insert(d.name.clone(), disk.clone());
-                    mirrors.push(disk.clone());
-                    Arc::new(disk)
+                    (Arc::new(disk.clone()), Some(disk))
                 }
-            };
-            let mirror = match d.peer {
-                Some(_) => mirrors.last().cloned(),
-                None => None,
             };
             // Counted where clients (NBD, the C ABI) enter the disk.
             let device = match &node_metrics {
@@ -594,7 +587,6 @@ impl Node {
             mgmt,
             id: node.id,
             shared,
-            mirrors,
             servers: running,
             server_tasks,
             background: background.into_inner(),
@@ -683,7 +675,6 @@ impl Node {
             let _ = task.await;
         }
         // Every mirror the node has now (created ones too; deleted ones are closed).
-        self.mirrors.clear();
         let mirrors: Vec<MirroredDisk> = disks.iter().filter_map(|d| d.mirror.clone()).collect();
         for disk in &mirrors {
             match tokio::time::timeout(DRAIN_TIMEOUT, disk.close()).await {
