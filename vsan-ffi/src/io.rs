@@ -210,6 +210,50 @@ fn check_request(d: &DiskObj, op: Op, offset: u64, len: u64) -> Result<(), Failu
     d.geometry.validate(op, offset, len).map_err(core_failure)
 }
 
+/// The disk and flags of a discard or zeroing (`op`) of `len` bytes at `offset`, once
+/// the request is checked.
+fn range_request(
+    disk: *mut vsan_disk,
+    op: Op,
+    offset: u64,
+    len: u64,
+    flags: u32,
+) -> Result<(Arc<DiskObj>, IoFlags), Failure> {
+    let d = handles::disk(disk)?;
+    check_request(&d, op, offset, len)?;
+    Ok((d, self::flags(flags)?))
+}
+
+/// The device call of a discard or zeroing.
+fn range_io(
+    dev: &dyn BlockDevice,
+    op: Op,
+    offset: u64,
+    len: u64,
+    flags: IoFlags,
+) -> vsan_core::IoFuture<'_, ()> {
+    match op {
+        Op::Discard => dev.discard(offset, len, flags),
+        _ => dev.write_zeroes(offset, len, flags),
+    }
+}
+
+/// A submitted discard or zeroing.
+fn range_work(
+    d: &DiskObj,
+    op: Op,
+    offset: u64,
+    len: u64,
+    flags: IoFlags,
+) -> impl Future<Output = Result<(), Failure>> + Send + 'static {
+    let dev: Arc<dyn BlockDevice> = Arc::clone(&d.disk.device);
+    async move {
+        range_io(&*dev, op, offset, len, flags)
+            .await
+            .map_err(core_failure)
+    }
+}
+
 fn flags(bits: u32) -> Result<IoFlags, Failure> {
     IoFlags::from_bits(bits).map_err(core_failure)
 }
@@ -346,10 +390,10 @@ pub unsafe extern "C" fn vsan_disk_discard(
     flags: u32,
 ) -> vsan_result {
     call("vsan_disk_discard", || {
-        let d = handles::disk(disk)?;
-        check_request(&d, Op::Discard, offset, len)?;
-        let flags = self::flags(flags)?;
-        blocking(&d, || d.disk.device.discard(offset, len, flags))
+        let (d, flags) = range_request(disk, Op::Discard, offset, len, flags)?;
+        blocking(&d, || {
+            range_io(&*d.disk.device, Op::Discard, offset, len, flags)
+        })
     })
 }
 
@@ -366,10 +410,10 @@ pub unsafe extern "C" fn vsan_disk_write_zeroes(
     flags: u32,
 ) -> vsan_result {
     call("vsan_disk_write_zeroes", || {
-        let d = handles::disk(disk)?;
-        check_request(&d, Op::WriteZeroes, offset, len)?;
-        let flags = self::flags(flags)?;
-        blocking(&d, || d.disk.device.write_zeroes(offset, len, flags))
+        let (d, flags) = range_request(disk, Op::WriteZeroes, offset, len, flags)?;
+        blocking(&d, || {
+            range_io(&*d.disk.device, Op::WriteZeroes, offset, len, flags)
+        })
     })
 }
 
@@ -485,13 +529,9 @@ pub unsafe extern "C" fn vsan_disk_submit_discard(
     tag: u64,
 ) -> vsan_result {
     call("vsan_disk_submit_discard", || {
-        let d = handles::disk(disk)?;
-        check_request(&d, Op::Discard, offset, len)?;
-        let flags = self::flags(flags)?;
-        let dev = Arc::clone(&d.disk.device);
-        submit(&d, callback, userdata, tag, async move {
-            dev.discard(offset, len, flags).await.map_err(core_failure)
-        })
+        let (d, flags) = range_request(disk, Op::Discard, offset, len, flags)?;
+        let work = range_work(&d, Op::Discard, offset, len, flags);
+        submit(&d, callback, userdata, tag, work)
     })
 }
 
@@ -512,14 +552,8 @@ pub unsafe extern "C" fn vsan_disk_submit_write_zeroes(
     tag: u64,
 ) -> vsan_result {
     call("vsan_disk_submit_write_zeroes", || {
-        let d = handles::disk(disk)?;
-        check_request(&d, Op::WriteZeroes, offset, len)?;
-        let flags = self::flags(flags)?;
-        let dev = Arc::clone(&d.disk.device);
-        submit(&d, callback, userdata, tag, async move {
-            dev.write_zeroes(offset, len, flags)
-                .await
-                .map_err(core_failure)
-        })
+        let (d, flags) = range_request(disk, Op::WriteZeroes, offset, len, flags)?;
+        let work = range_work(&d, Op::WriteZeroes, offset, len, flags);
+        submit(&d, callback, userdata, tag, work)
     })
 }
