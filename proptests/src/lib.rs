@@ -23,6 +23,8 @@
 
 use vsan_core::ErrorKind;
 
+pub mod sim;
+
 /// One logical block of the model.
 #[derive(Debug, Clone)]
 struct Register {

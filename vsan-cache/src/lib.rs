@@ -20,12 +20,15 @@
 //! - **Cache device failure** switches to pass-through and reports the lost data
 //!   ([`CacheState`], `data_loss_count`), so a mirror above resyncs the replica.
 //!
+//! Fail points at the I/O edges (feature `failpoints`) are listed in [`failpoints`].
+//!
 //! The on-media layout is documented in [`format`](mod@format), which encodes and decodes
 //! it as pure functions.
 #![deny(missing_docs)]
 
 mod cache;
 mod config;
+pub mod failpoints;
 pub mod format;
 mod index;
 mod media;

@@ -12,9 +12,12 @@
 //!   [`wire`] and [`transport`]: the replication frames and links; [`connect`]: dialing
 //!   and accepting; [`witness`]: the quorum witness client;
 //! - `mgmt` (feature `mgmt`): the gRPC management API, `vsan.mgmt.v1`.
+//! - [`failpoints`] (feature `failpoints`): fail points at the driver's I/O edges, for
+//!   tests that drive the error paths.
 #![deny(missing_docs)]
 
 pub mod connect;
+pub mod failpoints;
 pub mod meta;
 #[cfg(feature = "mgmt")]
 pub mod mgmt;

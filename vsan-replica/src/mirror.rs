@@ -270,6 +270,8 @@ impl MirroredDisk {
             )
         })?;
         let name: Arc<str> = cfg.disk_name.as_str().into();
+        #[cfg(feature = "failpoints")]
+        let points = crate::failpoints::Site::new(cfg.node_id, &replica.loaded.layout);
         let (commands, rx) = mpsc::unbounded_channel();
         let endpoint = Endpoint::new(cfg, replica.loaded, Instant::now());
         // A replica that lost data before the mirror started is no more trusted than one
@@ -307,6 +309,8 @@ impl MirroredDisk {
             last_problem: None,
             data_loss_base,
             data_loss_seen: data_loss_base,
+            #[cfg(feature = "failpoints")]
+            points,
         };
         handle.spawn(driver.run(rx, quorum_rx));
         Ok(MirroredDisk {
@@ -573,6 +577,9 @@ struct Driver {
     /// looked.
     data_loss_base: u64,
     data_loss_seen: u64,
+    /// Where this driver's fail points fire (see [`crate::failpoints`]).
+    #[cfg(feature = "failpoints")]
+    points: crate::failpoints::Site,
 }
 
 type SendFuture = std::pin::Pin<Box<dyn std::future::Future<Output = Result<()>> + Send>>;
@@ -610,7 +617,7 @@ impl Driver {
                 },
                 Some(granted) = quorum.recv() => self.ep.handle_quorum(Instant::now(), granted),
                 msg = recv(&mut self.rx) => match msg {
-                    Ok(m) => self.ep.handle_message(Instant::now(), m),
+                    Ok(m) => self.peer_message(m),
                     Err(e) => {
                         let reason = e.to_string();
                         self.drop_link();
@@ -640,7 +647,7 @@ impl Driver {
                 };
                 match ready {
                     Poll::Pending => break,
-                    Poll::Ready(Ok(m)) => self.ep.handle_message(Instant::now(), m),
+                    Poll::Ready(Ok(m)) => self.peer_message(m),
                     Poll::Ready(Err(e)) => {
                         let reason = e.to_string();
                         self.drop_link();
@@ -691,6 +698,15 @@ impl Driver {
             self.data_loss_seen = count;
             self.ep.local_data_lost(Instant::now());
         }
+    }
+
+    /// A message from the peer (fail point `mirror::recv_ack` may drop an ack).
+    fn peer_message(&mut self, m: Message) {
+        #[cfg(feature = "failpoints")]
+        if self.points.ack_lost(&m) {
+            return;
+        }
+        self.ep.handle_message(Instant::now(), m);
     }
 
     /// A local operation finished. The replica bumps its loss count before it completes
@@ -909,6 +925,12 @@ impl Driver {
             self.pump_sends().await;
             while let Some(io) = self.ep.poll_local_io() {
                 moved = true;
+                #[cfg(feature = "failpoints")]
+                if let Some((op, kind)) = self.points.local_io(&io) {
+                    self.running
+                        .push(Box::pin(std::future::ready((op, Err(kind)))));
+                    continue;
+                }
                 self.running.push(run_local(
                     Arc::clone(&self.local),
                     Arc::clone(&self.meta),

@@ -353,6 +353,11 @@ impl Inner {
             return;
         }
         let result = async {
+            #[cfg(feature = "failpoints")]
+            fail::fail_point!(crate::failpoints::CACHE_PERSIST, |_| Err(Error::new(
+                ErrorKind::Io,
+                "fail point cache::persist"
+            )));
             for (off, buf) in std::mem::take(&mut seg.bufs) {
                 self.fast.write(off, &buf).await?;
             }

@@ -126,6 +126,11 @@ impl Inner {
     /// Write the coalesced blocks of an epoch: adjacent blocks of one kind in one request
     /// (data up to the backing store's largest request).
     async fn write_epoch(&self, blocks: &BTreeMap<u64, Src>) -> Result<()> {
+        #[cfg(feature = "failpoints")]
+        fail::fail_point!(crate::failpoints::CACHE_DESTAGE, |_| Err(Error::new(
+            ErrorKind::Io,
+            "fail point cache::destage"
+        )));
         let max = u64::from(self.backing.geometry().max_io()).max(BLOCK) / BLOCK;
         let mut it = blocks.iter().peekable();
         while let Some((&start, &src)) = it.next() {

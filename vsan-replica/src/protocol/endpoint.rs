@@ -478,6 +478,11 @@ pub struct Endpoint {
     handshaking: bool,
     /// The local replica failed.
     detached: bool,
+    /// The replica was detached by a failure while the peer was away: no write could be
+    /// acknowledged since (there was nowhere to put it), so it missed nothing and is not
+    /// distrusted; but it may hold writes the peer lacks, so no handshake is accepted
+    /// until the operator attaches it again (or discards its data).
+    detached_alone: bool,
     /// Local operations with ids below this were issued before the local replica last
     /// lost data (`local_data_lost`): their results are not trusted.
     loss_op_mark: u64,
@@ -623,6 +628,7 @@ impl Endpoint {
             got_welcome: false,
             handshaking: false,
             detached: false,
+            detached_alone: false,
             loss_op_mark: 0,
             distrust_mgen: 0,
             last_rx: now,
@@ -708,14 +714,22 @@ impl Endpoint {
     }
 
     fn random_generation(&mut self) -> u64 {
-        // splitmix64: deterministic for a given seed; never 0 or "just created".
+        // splitmix64: deterministic for a given seed; never 0 or "just created", and
+        // never one this replica already has (a node restarted with the seed it had
+        // before would otherwise make the same "new" generation again, and its writes
+        // alone would look like no change at all).
+        let g = self.meta.sb.generations;
         loop {
             self.rng = self.rng.wrapping_add(0x9e37_79b9_7f4a_7c15);
             let mut z = self.rng;
             z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
             z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
             z ^= z >> 31;
-            if z > super::message::GEN_JUST_CREATED {
+            if z > super::message::GEN_JUST_CREATED
+                && z != g.current
+                && z != g.bitmap
+                && !g.history.contains(&z)
+            {
                 return z;
             }
         }
@@ -982,7 +996,9 @@ impl Endpoint {
         self.try_shutdown(now);
     }
 
-    /// Whether writing the metadata failed (the local replica is detached).
+    /// Whether writing the metadata failed: the local replica is detached, reads go
+    /// through the peer, and writes fail until a restart (nothing durable could say
+    /// which blocks the replica misses).
     pub fn meta_failed(&self) -> bool {
         self.meta.failed
     }
@@ -1042,6 +1058,11 @@ impl Endpoint {
         }
         if self.state == LinkState::Connected {
             self.lose_peer(now, "the link was replaced".into());
+        }
+        if self.detached_alone && self.discard_my_data {
+            // The operator gave up this replica's data: the peer's is taken in full.
+            self.distrust_replica();
+            self.detached_alone = false;
         }
         self.link_epoch += 1;
         self.sent_welcome = false;
@@ -1227,6 +1248,16 @@ impl Endpoint {
     fn evaluate_hello(&mut self, now: Instant, h: Hello) {
         if let Err(reason) = self.check_hello(&h) {
             return self.refuse(now, reason);
+        }
+        if self.detached_alone {
+            let (me, peer) = (self.cfg.node_id, self.cfg.peer_id);
+            return self.refuse(
+                now,
+                format!(
+                    "node {me}'s replica failed while node {peer} was away and is detached; it may \
+                     hold writes node {peer} lacks: attach it again (or discard its data) first"
+                ),
+            );
         }
         let Some(mine) = self.sent_hello.as_ref() else {
             // Our Hello is not out yet: decide when it is.
@@ -1582,6 +1613,17 @@ impl Endpoint {
             });
             return req;
         }
+        if self.meta.failed {
+            // The replica is detached, and its metadata cannot record that it misses this
+            // write: acknowledged by the peer alone, it would be lost to the restart that
+            // attaches the replica again (which trusts it). Fail it; reads still go
+            // through the peer.
+            self.events.push_back(Event::Completed {
+                request: req,
+                result: Err(ErrorKind::Io),
+            });
+            return req;
+        }
         if self.state == LinkState::Degraded
             && let Alone::Fail(kind) = self.alone()
         {
@@ -1651,8 +1693,40 @@ impl Endpoint {
                         result: Err(ErrorKind::NoQuorum),
                     });
                 }
-                Alone::Allowed | Alone::Fail(_) => {}
+                Alone::Allowed => {}
+                Alone::Fail(_) => {
+                    // An inconsistent replica fails writes alone but may serve reads of
+                    // the chunks it has synced: with a witness, only while it holds the
+                    // grant (without it, the peer may be writing alone right now).
+                    if self.cfg.quorum.is_some() && self.quorum != Quorum::Granted {
+                        if self.quorum == Quorum::Pending
+                            || (self.cfg.quorum == Some(QuorumPolicy::Suspend)
+                                && !self.shutting_down)
+                        {
+                            return self.held_reads.push_back((req, offset, len, since));
+                        }
+                        let kind = if self.shutting_down {
+                            ErrorKind::Closed
+                        } else {
+                            ErrorKind::NoQuorum
+                        };
+                        return self.events.push_back(Event::Completed {
+                            request: req,
+                            result: Err(kind),
+                        });
+                    }
+                }
             }
+        } else if self.cfg.quorum.is_some()
+            && self.state != LinkState::Connected
+            && self.quorum != Quorum::Granted
+        {
+            // With a witness, the peer may have written alone (holding the grant) while
+            // this node was away or cut off: until the handshake says which replica is
+            // current, or the witness grants this node the disk, the local data may be
+            // stale. Wait for the link, as writes do; the connect timeout bounds the wait,
+            // then the quorum decides.
+            return self.held_reads.push_back((req, offset, len, since));
         }
         if self.detached || self.stale(offset, u64::from(len)) {
             if self.state != LinkState::Connected
@@ -1679,6 +1753,11 @@ impl Endpoint {
     /// Whether this replica's data in `[offset, offset + len)` may be older than the
     /// peer's: it is a sync target (or lost data) and a chunk there is not synced yet.
     fn stale(&self, offset: u64, len: u64) -> bool {
+        if matches!(&self.sync, Some(s) if s.role == SyncRole::Target && !s.got_peer_bitmap()) {
+            // The source's marks (what it wrote while apart) have not arrived: any chunk
+            // may be older here.
+            return true;
+        }
         (self.meta.sb.inconsistent || matches!(&self.sync, Some(s) if s.role == SyncRole::Target))
             && self
                 .meta
@@ -2099,10 +2178,17 @@ impl Endpoint {
 
     fn local_failed(&mut self, kind: ErrorKind) {
         if !self.detached && !self.meta.failed {
-            // Writes from now on reach the peer only: a restart must not trust the
-            // replica (its disk may work again, with old data), so it is marked,
-            // durably, for a full resync.
-            self.distrust_replica();
+            if self.state == LinkState::Connected {
+                // Writes from now on reach the peer only: a restart must not trust the
+                // replica (its disk may work again, with old data), so it is marked,
+                // durably, for a full resync.
+                self.distrust_replica();
+            } else {
+                // Alone, nothing can be written anywhere while the replica is detached:
+                // it misses nothing, and it may be the only copy of the writes made
+                // since the peer left. Keep it (see `detached_alone`).
+                self.detached_alone = true;
+            }
         }
         if !self.detached {
             self.detach(format!(
@@ -2143,6 +2229,17 @@ impl Endpoint {
     pub fn attach_local(&mut self, now: Instant) -> Result<String, String> {
         if !self.detached {
             return Err("the local replica is attached".into());
+        }
+        if self.detached_alone {
+            // Nothing was written anywhere since it failed: it is taken back as it is.
+            self.detached = false;
+            self.detached_alone = false;
+            info!(disk = %self.cfg.disk_name, "local replica attached again; it missed no write");
+            return Ok(
+                "local replica attached; no write was accepted while it was detached with the \
+                 peer away, so it needs no resync"
+                    .into(),
+            );
         }
         if self.state != LinkState::Connected {
             return Err(
@@ -2289,7 +2386,8 @@ impl Endpoint {
             Ok(()) if mirrored => Ok(()),
             // Local replica detached; the peer holds the data. Acknowledged once the
             // metadata says, durably, that the replica is not to be trusted: a restart
-            // must not serve this block from it.
+            // must not serve this block from it. Failed metadata can never say so.
+            Err(k) if mirrored && self.meta.failed => Err(k),
             Err(_) if mirrored => {
                 if !self.meta_durable(self.distrust_mgen) {
                     let mgen = self.distrust_mgen;

@@ -172,9 +172,16 @@ pub(in crate::protocol) struct SyncRun {
     mismatches: u64,
     budget: f64,
     last_refill: Instant,
+    /// When the pump last ran (see `sync_timeout`).
+    pumped: Instant,
 }
 
 impl SyncRun {
+    /// Whether the peer's bitmap arrived (until then a target knows only its own marks).
+    pub(super) fn got_peer_bitmap(&self) -> bool {
+        self.got_peer_bitmap
+    }
+
     fn new(role: SyncRole, kind: SyncKind, now: Instant) -> SyncRun {
         SyncRun {
             role,
@@ -197,6 +204,7 @@ impl SyncRun {
             mismatches: 0,
             budget: 0.0,
             last_refill: now,
+            pumped: now,
         }
     }
 
@@ -220,6 +228,9 @@ const MAX_RUN: u64 = 16;
 
 /// App I/O this recent makes a dynamic-rate resync yield.
 const APP_QUIET: Duration = Duration::from_millis(5);
+
+/// How soon the sync pump looks again at a deadline it could not act on.
+const SYNC_RETRY: Duration = Duration::from_millis(1);
 
 impl Endpoint {
     /// Where the running resync or verify stands, if one runs.
@@ -436,6 +447,10 @@ impl Endpoint {
                     s.transferred_bytes += data.len() as u64;
                 }
                 if self.detached {
+                    // The source ends its run on this failed ack; this side ends its own
+                    // too, or it would wait for the rest forever (and an operator's
+                    // attach, which needs no run going, could never start).
+                    self.abort_sync(now, "this replica is detached and cannot take the data");
                     return self.send(
                         now,
                         Message::SyncAck {
@@ -821,6 +836,9 @@ impl Endpoint {
     /// Source: start chunk reads while the window and the rate allow, checkpoint, and
     /// finish when nothing is left.
     pub(super) fn sync_pump(&mut self, now: Instant) {
+        if let Some(s) = self.sync.as_mut() {
+            s.pumped = now;
+        }
         if self.state != LinkState::Connected {
             return;
         }
@@ -1003,7 +1021,11 @@ impl Endpoint {
         if matches!(self.cfg.resync.rate, ResyncRate::Dynamic { .. }) {
             t = t.min(self.last_app_io + APP_QUIET);
         }
-        Some(t)
+        // A deadline the pump already ran at (or after) and could not act on (the window
+        // is full, a checkpoint waits for its ack, the peer went silent) stays in the
+        // past until something else happens: waking at once would spin. Look again a
+        // little later instead.
+        Some(t.max(s.pumped + SYNC_RETRY))
     }
 
     pub(super) fn sync_tick(&mut self, now: Instant) {
