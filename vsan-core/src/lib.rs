@@ -33,6 +33,9 @@
 pub mod device;
 pub mod error;
 pub mod export;
+#[cfg(feature = "test-utils")]
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod le;
 
 pub use device::{

@@ -135,6 +135,11 @@ where
         }
         let shutting_down = cancel.is_cancelled();
         if len > MAX_OPTION_LEN {
+            if opt == OPT_EXPORT_NAME {
+                // No option reply may answer EXPORT_NAME (the client reads the export
+                // size next): the spec says close.
+                return Err(proto_err(format!("export name of {len} bytes")));
+            }
             send_reply(s, opt, REP_ERR_TOO_BIG, b"option too long").await?;
             continue;
         }
