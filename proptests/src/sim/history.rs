@@ -95,8 +95,9 @@ pub struct Write {
     pub link: Option<u64>,
     /// When it became durable (FUA acknowledgement, or a covering flush's completion).
     pub durable: Option<Duration>,
-    /// When acknowledged, the simulation's link was down or cut: the number of the
-    /// connection it was acknowledged after (for the quorum check).
+    /// Submitted after the nodes were separated (the simulation's link down or cut) and
+    /// acknowledged before they met again: the number of the connection it came after
+    /// (for the quorum check).
     pub apart: Option<u64>,
 }
 
@@ -328,6 +329,11 @@ impl History {
                 && w.sectors.0 < s + n
                 && s < w.sectors.0 + w.sectors.1
         })
+    }
+
+    /// When write `i` was submitted.
+    pub fn submitted(&self, i: usize) -> Duration {
+        self.writes[i].submit
     }
 
     /// Writes submitted.

@@ -354,6 +354,8 @@ struct Sim {
     nodes: [Node; 2],
     link: Link,
     holder: Option<u32>,
+    /// Since when the nodes are separated (the link down or cut), as of the last event.
+    apart_since: Option<Duration>,
     hist: History,
     next_write: u64,
     clients_on: bool,
@@ -481,6 +483,7 @@ impl Sim {
                 dialing: false,
             },
             holder: None,
+            apart_since: Some(Duration::ZERO),
             hist: History::new(SECTORS),
             next_write: 1,
             clients_on: true,
@@ -536,6 +539,12 @@ impl Sim {
                 return Err(format!("more than {MAX_EVENTS} events: a livelock"));
             }
             let ev = self.pending.remove(&seq).expect("scheduled event");
+            let together = self.link.open == [true, true] && !self.link.partitioned;
+            if together {
+                self.apart_since = None;
+            } else if self.apart_since.is_none() {
+                self.apart_since = Some(self.t);
+            }
             if self.events + 10 > MAX_EVENTS {
                 tr!(self, format!("event {ev:?}; {}", self.describe()));
             }
@@ -860,8 +869,12 @@ impl Sim {
                 let link = mirroring.then_some(self.link.epoch);
                 match req {
                     Req::Write(i) => {
-                        let together = self.link.open == [true, true] && !self.link.partitioned;
-                        let apart = (!together).then_some(self.link.epoch);
+                        // Submitted after the nodes were separated, and acknowledged
+                        // before they met again: it can only be on this node.
+                        let apart = self
+                            .apart_since
+                            .filter(|since| self.hist.submitted(i) >= *since)
+                            .map(|_| self.link.epoch);
                         self.hist.write_done(i, result.is_ok(), link, apart, self.t);
                         tr!(
                             self,

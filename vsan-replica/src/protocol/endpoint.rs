@@ -297,6 +297,9 @@ struct OwnWrite {
     remote: Remote,
     /// Waiting for its bitmap bits (and generation) to be durable before completing.
     bits_pending: bool,
+    /// Its local copy failed and left no complete copy anywhere (`detached_alone`):
+    /// it fails, even if the peer takes it later.
+    failed_alone: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -478,11 +481,15 @@ pub struct Endpoint {
     handshaking: bool,
     /// The local replica failed.
     detached: bool,
-    /// The replica was detached by a failure while the peer was away: no write could be
-    /// acknowledged since (there was nowhere to put it), so it missed nothing and is not
-    /// distrusted; but it may hold writes the peer lacks, so no handshake is accepted
-    /// until the operator attaches it again (or discards its data).
+    /// The replica was detached by a failure while no complete copy was on the peer
+    /// (the peer away, or an unfinished sync target of this node): every request fails
+    /// until it is back, so it misses nothing and is not distrusted; but it may hold
+    /// writes the peer lacks, so no handshake is accepted until the operator attaches it
+    /// again (or discards its data).
     detached_alone: bool,
+    /// The peer failed a write or flush on this link: its replica is detached (or
+    /// distrusted), so it holds no complete copy. Cleared by a new link's handshake.
+    peer_incomplete: bool,
     /// Local operations with ids below this were issued before the local replica last
     /// lost data (`local_data_lost`): their results are not trusted.
     loss_op_mark: u64,
@@ -629,6 +636,7 @@ impl Endpoint {
             handshaking: false,
             detached: false,
             detached_alone: false,
+            peer_incomplete: false,
             loss_op_mark: 0,
             distrust_mgen: 0,
             last_rx: now,
@@ -812,7 +820,7 @@ impl Endpoint {
                 warn!(disk = %self.cfg.disk_name, "metadata write failed ({kind}): detaching the local replica");
             }
             self.meta.failed = true;
-            self.local_failed(kind);
+            self.local_failed(now, kind);
             // Nothing will be persisted any more: release everything that waits.
             self.meta.persisted = u64::MAX;
         } else {
@@ -1065,6 +1073,7 @@ impl Endpoint {
             self.detached_alone = false;
         }
         self.link_epoch += 1;
+        self.peer_incomplete = false;
         self.sent_welcome = false;
         self.got_welcome = false;
         self.handshaking = true;
@@ -1311,6 +1320,9 @@ impl Endpoint {
             } => self.peer_write(now, id, offset, payload, fua),
             Message::WriteAck { id, status } => {
                 let req = RequestId(id);
+                if status != Status::Ok {
+                    self.peer_incomplete = true;
+                }
                 match self.own_writes.get_mut(&req) {
                     Some(w) if matches!(w.remote, Remote::Sent(_)) => {
                         w.remote = Remote::Done(status);
@@ -1335,6 +1347,9 @@ impl Endpoint {
                 }
             }
             Message::FlushAck { id, status } => {
+                if status != Status::Ok {
+                    self.peer_incomplete = true;
+                }
                 let req = RequestId(id);
                 match self.own_flushes.get_mut(&req) {
                     Some(f) if matches!(f.remote, Remote::Sent(_)) => {
@@ -1613,11 +1628,12 @@ impl Endpoint {
             });
             return req;
         }
-        if self.meta.failed {
+        if self.meta.failed || self.detached_alone {
             // The replica is detached, and its metadata cannot record that it misses this
             // write: acknowledged by the peer alone, it would be lost to the restart that
             // attaches the replica again (which trusts it). Fail it; reads still go
-            // through the peer.
+            // through the peer. (Detached with no complete copy on the peer: see
+            // `detached_alone`.)
             self.events.push_back(Event::Completed {
                 request: req,
                 result: Err(ErrorKind::Io),
@@ -1644,6 +1660,7 @@ impl Endpoint {
                 local: Local::Pending,
                 remote: Remote::Unsent,
                 bits_pending: false,
+                failed_alone: false,
             },
         );
         self.pending_own.push_back(req);
@@ -1655,6 +1672,14 @@ impl Endpoint {
     /// both nodes.
     pub fn submit_flush(&mut self, now: Instant) -> RequestId {
         let req = self.request_id();
+        if self.detached_alone {
+            // No complete copy anywhere (see `detached_alone`): nothing to make durable.
+            self.events.push_back(Event::Completed {
+                request: req,
+                result: Err(ErrorKind::Io),
+            });
+            return req;
+        }
         let local = if self.detached {
             Local::Done(Err(ErrorKind::Io))
         } else {
@@ -1684,6 +1709,13 @@ impl Endpoint {
 
     /// Send a read where it can be served; `since`: when it was submitted.
     fn route_read(&mut self, now: Instant, req: RequestId, offset: u64, len: u32, since: Instant) {
+        if self.detached_alone {
+            // No replica here, and none complete on the peer.
+            return self.events.push_back(Event::Completed {
+                request: req,
+                result: Err(ErrorKind::Io),
+            });
+        }
         if self.state == LinkState::Degraded {
             match self.alone() {
                 Alone::Hold => return self.held_reads.push_back((req, offset, len, since)),
@@ -1914,8 +1946,10 @@ impl Endpoint {
         w.started = true;
         let range = Range::new(w.offset, w.payload.len());
         if self.detached {
-            // No local copy: the write stands only if the peer takes it.
+            // No local copy: the write stands only if the peer takes it (and the peer
+            // holds a complete copy).
             w.local = Local::Done(Err(ErrorKind::Io));
+            w.failed_alone = self.detached_alone;
         } else {
             self.push_apply(ApplyKind::Own(req), vec![range], 0);
         }
@@ -2069,7 +2103,7 @@ impl Endpoint {
             return self.meta_done(now, result);
         }
         if let Err(kind) = &result {
-            self.local_failed(*kind);
+            self.local_failed(now, *kind);
         }
         // Issued before the replica lost data, done after: its result may be gone.
         let suspect = op.0 < self.loss_op_mark;
@@ -2097,8 +2131,17 @@ impl Endpoint {
                 let outcome = entry.failed.map_or(Ok(()), Err);
                 match entry.kind {
                     ApplyKind::Own(req) => {
+                        let alone = outcome.is_err() && self.detached_alone;
                         if let Some(w) = self.own_writes.get_mut(&req) {
                             w.local = Local::Done(outcome);
+                            if alone {
+                                w.failed_alone = true;
+                                if w.remote == Remote::Unsent {
+                                    // Not sent yet: it never will be.
+                                    w.remote = Remote::Skipped;
+                                    self.unsent.retain(|r| *r != req);
+                                }
+                            }
                         }
                         self.finish_own_write(req);
                     }
@@ -2176,17 +2219,21 @@ impl Endpoint {
         }
     }
 
-    fn local_failed(&mut self, kind: ErrorKind) {
+    fn local_failed(&mut self, now: Instant, kind: ErrorKind) {
         if !self.detached && !self.meta.failed {
-            if self.state == LinkState::Connected {
+            let peer_complete = self.state == LinkState::Connected
+                && !self.peer_incomplete
+                && !matches!(&self.sync, Some(s) if s.role == SyncRole::Source && s.kind != SyncKind::Verify);
+            if peer_complete {
                 // Writes from now on reach the peer only: a restart must not trust the
                 // replica (its disk may work again, with old data), so it is marked,
                 // durably, for a full resync.
                 self.distrust_replica();
             } else {
-                // Alone, nothing can be written anywhere while the replica is detached:
-                // it misses nothing, and it may be the only copy of the writes made
-                // since the peer left. Keep it (see `detached_alone`).
+                // Alone, or with a peer that is an unfinished sync target of this node:
+                // no complete copy is left, so nothing is served or written until this
+                // replica is back; it misses nothing, and it may be the only copy of
+                // the newest data. Keep it (see `detached_alone`).
                 self.detached_alone = true;
             }
         }
@@ -2194,6 +2241,11 @@ impl Endpoint {
             self.detach(format!(
                 "local replica failed ({kind}); serving I/O through the peer"
             ));
+        }
+        if matches!(&self.sync, Some(s) if s.role == SyncRole::Target) {
+            // A detached replica takes no resync data: end this side of the run (the
+            // source ends its side on the failed ack), so the operator can attach it.
+            self.abort_sync(now, "the local replica failed and is detached");
         }
     }
 
@@ -2235,6 +2287,14 @@ impl Endpoint {
             self.detached = false;
             self.detached_alone = false;
             info!(disk = %self.cfg.disk_name, "local replica attached again; it missed no write");
+            if self.state == LinkState::Connected {
+                // A resync to the peer stopped when the replica failed: connect again,
+                // and the handshake resumes it.
+                self.lose_peer(
+                    now,
+                    "the local replica is attached again: reconnecting to resume the resync".into(),
+                );
+            }
             return Ok(
                 "local replica attached; no write was accepted while it was detached with the \
                  peer away, so it needs no resync"
@@ -2372,10 +2432,14 @@ impl Endpoint {
     }
 
     fn finish_own_write(&mut self, req: RequestId) {
-        let Some((local, remote, range, bits_pending)) = self.own_writes.get(&req).and_then(|w| {
-            settled(w.local, w.remote)
-                .map(|(l, r)| (l, r, Range::new(w.offset, w.payload.len()), w.bits_pending))
-        }) else {
+        let Some((local, remote, range, bits_pending, failed_alone)) =
+            self.own_writes.get(&req).and_then(|w| {
+                settled(w.local, w.remote).map(|(l, r)| {
+                    let range = Range::new(w.offset, w.payload.len());
+                    (l, r, range, w.bits_pending, w.failed_alone)
+                })
+            })
+        else {
             return;
         };
         if bits_pending {
@@ -2388,6 +2452,12 @@ impl Endpoint {
             // metadata says, durably, that the replica is not to be trusted: a restart
             // must not serve this block from it. Failed metadata can never say so.
             Err(k) if mirrored && self.meta.failed => Err(k),
+            // The local copy failed with no complete copy on the peer: the peer's copy
+            // of this write is not the data (mark the chunks so a resync evens them).
+            Err(k) if mirrored && failed_alone => {
+                self.mark_unmirrored(range, false);
+                Err(k)
+            }
             Err(_) if mirrored => {
                 if !self.meta_durable(self.distrust_mgen) {
                     let mgen = self.distrust_mgen;
@@ -2404,8 +2474,12 @@ impl Endpoint {
             // resync, and the bitmap must say so durably before anyone is told.
             Ok(()) => {
                 let verdict = self.alone();
-                let acknowledge = self.state != LinkState::Connected && verdict == Alone::Allowed
-                    || self.state == LinkState::Connected;
+                // An unfinished sync target is no complete copy: a write only it holds
+                // is marked (so the resync copies that chunk again) but not acknowledged.
+                let incomplete = self.meta.sb.inconsistent;
+                let acknowledge = !incomplete
+                    && (self.state != LinkState::Connected && verdict == Alone::Allowed
+                        || self.state == LinkState::Connected);
                 let mgen = self.mark_unmirrored(range, acknowledge);
                 if self.meta.failed {
                     Err(ErrorKind::Io)
@@ -2418,6 +2492,7 @@ impl Endpoint {
                 } else {
                     match verdict {
                         Alone::Fail(k) if self.state != LinkState::Connected => Err(k),
+                        _ if incomplete => Err(ErrorKind::Io),
                         _ => Ok(()),
                     }
                 }
@@ -2448,10 +2523,16 @@ impl Endpoint {
         else {
             return;
         };
-        let result = match (local, remote) {
-            (Ok(()), _) => Ok(None),
-            (Err(_), Some(Status::Ok)) => Ok(None),
-            (Err(k), _) => Err(k),
+        // Durable on a complete copy: this replica if it is not an unfinished sync
+        // target, or the peer's if it is not one (of this node) and took everything.
+        let local_counts = local.is_ok() && !self.meta.sb.inconsistent;
+        let peer_counts = remote == Some(Status::Ok)
+            && !self.peer_incomplete
+            && !matches!(&self.sync, Some(s) if s.role == SyncRole::Source && s.kind != SyncKind::Verify);
+        let result = match local {
+            _ if local_counts || peer_counts => Ok(None),
+            Err(k) => Err(k),
+            Ok(()) => Err(ErrorKind::Io),
         };
         self.own_flushes.remove(&req);
         self.events.push_back(Event::Completed {
@@ -2551,6 +2632,9 @@ impl Endpoint {
                 if due {
                     let t = self.cfg.connect_timeout;
                     self.lose_peer(now, format!("the peer did not connect within {t:?}"));
+                    // Reads held for the first link go where they can now (or fail):
+                    // nothing else would wake them.
+                    self.run_held_reads(now);
                 }
             }
             LinkState::Degraded => {}

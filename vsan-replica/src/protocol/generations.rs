@@ -168,7 +168,10 @@ fn resume(target: &Side, source: &Side) -> Decision {
         let full = target.chunks > 0 && target.dirty_chunks >= target.chunks;
         return Decision::Target { full };
     }
-    if s.history.contains(&t.current) {
+    if s.history.contains(&t.current) || t.current == GEN_JUST_CREATED {
+        // (A replica that never finished its first sync holds nothing of its own: any
+        // consistent peer fills it in full, also one that moved on since, whose
+        // finished first sync leaves "just created" out of its history.)
         return Decision::Target { full: true };
     }
     // The operator gave up this replica's data: any shared history lets it take the

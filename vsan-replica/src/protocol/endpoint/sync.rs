@@ -499,6 +499,7 @@ impl Endpoint {
                         }
                     }
                     Status::Failed(code) => {
+                        self.peer_incomplete = true;
                         // Only a detached replica fails resync data (a failed write
                         // detaches it): no chunk would succeed on this link, and
                         // retrying would spin.
