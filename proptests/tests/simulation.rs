@@ -1,7 +1,7 @@
 //! The deterministic simulation of a mirrored pair (see `vsan_proptests::sim` for what is
 //! simulated and checked), run over many seeds.
 //!
-//! - `seeds`: seeds `SIM_SEED_BASE..+SIM_SEEDS` (default 0..150, see below) on every core; prints
+//! - `seeds`: seeds `SIM_SEED_BASE..+SIM_SEEDS` (default 0..10000) on every core; prints
 //!   how many ran and what they did. With `SOAK=<minutes>` it runs new seeds (from a
 //!   random base, printed) for that long instead.
 //! - `replay`: `SIM_SEED=<seed>` replays one seed, printing its trace (without it, seed 1
@@ -12,10 +12,6 @@
 //!   shows it.
 //!
 //! A failure prints the seed and the command that replays it.
-//!
-//! The default count is 150, not the 10,000 the harness is built for: seed 178 (and
-//! others past it) still find open bugs (TESTING.md, "Known failures"), and the suite
-//! must pass. Raise it with `SIM_SEEDS=10000` to see them.
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -96,8 +92,8 @@ fn report(failures: &[Failure]) -> String {
     failures.iter().map(|f| f.to_string()).collect()
 }
 
-/// Seeds run by default (see the module docs for why not 10,000 yet).
-const DEFAULT_SEEDS: u64 = 150;
+/// Seeds run by default.
+const DEFAULT_SEEDS: u64 = 10_000;
 
 #[test]
 fn seeds() {

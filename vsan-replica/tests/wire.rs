@@ -240,6 +240,7 @@ fn samples() -> Vec<Message> {
             },
         },
         Message::SyncRequest,
+        Message::ReplicaDetached,
     ]
 }
 
@@ -293,7 +294,7 @@ fn pb_bytes(field: u32, value: &[u8], out: &mut Vec<u8>) {
 fn every_sample_round_trips() {
     let samples = samples();
     let kinds: std::collections::HashSet<Kind> = samples.iter().map(Kind::of).collect();
-    assert_eq!(kinds.len(), 20, "every message kind is sampled");
+    assert_eq!(kinds.len(), 21, "every message kind is sampled");
     for msg in samples {
         let mut buf = frame_bytes(&msg);
         let len = buf.len();
@@ -771,6 +772,7 @@ fn frames_without_data_sections_refuse_data() {
         Kind::SyncCheckpointAck,
         Kind::SyncDone,
         Kind::SyncRequest,
+        Kind::ReplicaDetached,
     ] {
         assert!(!kind.carries_data(), "{kind:?}");
         let mut buf = raw_frame(kind as u8, &[0x08, 1], b"x");
@@ -1130,6 +1132,7 @@ fn arb_message() -> impl Strategy<Value = Message> {
             .prop_map(|(id, status)| Message::SyncCheckpointAck { id, status }),
         arb_generations().prop_map(|generations| Message::SyncDone { generations }),
         Just(Message::SyncRequest),
+        Just(Message::ReplicaDetached),
     ]
 }
 

@@ -326,6 +326,7 @@ fn samples() -> Vec<Message> {
         },
         Message::SyncDone { generations },
         Message::SyncRequest,
+        Message::ReplicaDetached,
         Message::LaneSeq { seq: 42 },
         Message::LaneJoin {
             group: 0x0123_4567_89ab_cdef,

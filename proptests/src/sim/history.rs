@@ -15,6 +15,9 @@
 //! a write submitted after `rc` is never allowed. The initial zeroes are a write that
 //! ended at time 0.
 //!
+//! (A power cut between the read's submission and its completion counts: the read may
+//! have been served after it.)
+//!
 //! A write survives a power cut (of either node) only if it was durable before it: a FUA
 //! write once acknowledged, any write once a flush submitted after its acknowledgement
 //! completed on a node that holds it (the node that acknowledged it, or a node on the same
@@ -265,7 +268,7 @@ impl History {
             let w = &self.writes[i];
             if w.ok
                 && w.end.is_some_and(|e| e < rs)
-                && self.survives(w, rs)
+                && self.survives(w, rc)
                 && floor.is_none_or(|f| w.submit > f)
             {
                 floor = Some(w.submit);

@@ -242,10 +242,9 @@ enum Fault {
 
 #[derive(Debug)]
 enum Ev {
+    /// Deliver the messages towards side `to` that are due (in order).
     Deliver {
         to: usize,
-        epoch: u64,
-        msg: vsan_replica::protocol::Message,
     },
     /// The side `to` of link `epoch` learns the other side closed it.
     Closed {
@@ -326,10 +325,9 @@ struct Link {
     /// Each side still has the link open.
     open: [bool; 2],
     partitioned: bool,
-    /// Messages held by the partition, per receiving side, in order.
-    held: [VecDeque<vsan_replica::protocol::Message>; 2],
-    /// The last delivery time scheduled per receiving side (order is kept).
-    last: [Duration; 2],
+    /// Messages on the way, per receiving side, in order, with the time each can
+    /// arrive (never before the one ahead of it); a partition holds them all.
+    wire: [VecDeque<(Duration, vsan_replica::protocol::Message)>; 2],
     dialing: bool,
 }
 
@@ -478,8 +476,7 @@ impl Sim {
                 epoch: 0,
                 open: [false; 2],
                 partitioned: false,
-                held: [VecDeque::new(), VecDeque::new()],
-                last: [Duration::ZERO; 2],
+                wire: [VecDeque::new(), VecDeque::new()],
                 dialing: false,
             },
             holder: None,
@@ -951,14 +948,32 @@ impl Sim {
             return; // no link attached: the driver drops what it would send
         }
         let to = 1 - n;
-        if self.link.partitioned {
-            self.link.held[to].push_back(msg);
-            return;
+        let last = self.link.wire[to].back().map_or(Duration::ZERO, |m| m.0);
+        let at = (self.t + self.net_delay()).max(last);
+        self.link.wire[to].push_back((at, msg));
+        self.at(at - self.t, Ev::Deliver { to });
+    }
+
+    /// Deliver, in order, the messages towards `to` that are due.
+    fn deliver(&mut self, to: usize) -> Result<(), String> {
+        while !self.link.partitioned && self.link.open[to] && self.link.open[1 - to] {
+            match self.link.wire[to].front() {
+                Some((at, _)) if *at <= self.t => {}
+                _ => break,
+            }
+            let (_, msg) = self.link.wire[to].pop_front().expect("a message");
+            tr!(self, {
+                let mut m = format!("{msg:?}");
+                m.truncate(100);
+                format!("node {} receives {m}", to + 1)
+            });
+            let now = self.now();
+            if let Some(ep) = self.nodes[to].ep.as_mut() {
+                ep.handle_message(now, msg);
+            }
+            self.pump(to)?;
         }
-        let at = (self.t + self.net_delay()).max(self.link.last[to]);
-        self.link.last[to] = at;
-        let epoch = self.link.epoch;
-        self.at(at - self.t, Ev::Deliver { to, epoch, msg });
+        Ok(())
     }
 
     /// Node `n` closes its side of the link (or loses it in a crash); the other side
@@ -968,7 +983,8 @@ impl Sim {
             return;
         }
         self.link.open[n] = false;
-        self.link.held[1 - n].clear();
+        // What was on the way in either direction is lost (the connection is reset).
+        self.link.wire = [VecDeque::new(), VecDeque::new()];
         let to = 1 - n;
         if self.link.open[to] && !self.link.partitioned {
             let d = self.net_delay();
@@ -999,8 +1015,7 @@ impl Sim {
         }
         self.link.epoch += 1;
         self.link.open = [true, true];
-        self.link.held = [VecDeque::new(), VecDeque::new()];
-        self.link.last = [self.t; 2];
+        self.link.wire = [VecDeque::new(), VecDeque::new()];
         let epoch = self.link.epoch;
         tr!(self, format!("link {epoch} connects"));
         let now = self.now();
@@ -1019,28 +1034,11 @@ impl Sim {
     fn handle(&mut self, ev: Ev) -> Result<(), String> {
         let now = self.now();
         match ev {
-            Ev::Deliver { to, epoch, msg } => {
-                if epoch != self.link.epoch || !self.link.open[to] || !self.link.open[1 - to] {
-                    return Ok(());
-                }
-                if self.link.partitioned {
-                    self.link.held[to].push_back(msg);
-                    return Ok(());
-                }
-                tr!(self, {
-                    let mut m = format!("{msg:?}");
-                    m.truncate(100);
-                    format!("node {} receives {m}", to + 1)
-                });
-                if let Some(ep) = self.nodes[to].ep.as_mut() {
-                    ep.handle_message(now, msg);
-                }
-                self.pump(to)?;
-            }
+            Ev::Deliver { to } => self.deliver(to)?,
             Ev::Closed { to, epoch } => {
                 if epoch == self.link.epoch && self.link.open[to] {
                     self.link.open[to] = false;
-                    self.link.held[to].clear();
+                    self.link.wire = [VecDeque::new(), VecDeque::new()];
                     if let Some(ep) = self.nodes[to].ep.as_mut() {
                         ep.handle_disconnected(now, "the peer closed the link");
                     }
@@ -1195,11 +1193,10 @@ impl Sim {
         tr!(self, "partition heals".into());
         let epoch = self.link.epoch;
         for to in 0..2 {
-            let held: Vec<_> = self.link.held[to].drain(..).collect();
-            for msg in held {
-                let at = (self.t + self.net_delay()).max(self.link.last[to]);
-                self.link.last[to] = at;
-                self.at(at - self.t, Ev::Deliver { to, epoch, msg });
+            // What waited goes on, in order (retransmitted).
+            if !self.link.wire[to].is_empty() {
+                let d = self.net_delay();
+                self.at(d, Ev::Deliver { to });
             }
             // A side closed during the partition is heard of now.
             if self.link.open[to] && !self.link.open[1 - to] {
@@ -1223,7 +1220,7 @@ impl Sim {
                     let now = self.now();
                     let epoch = self.link.epoch;
                     self.link.open = [false, false];
-                    self.link.held = [VecDeque::new(), VecDeque::new()];
+                    self.link.wire = [VecDeque::new(), VecDeque::new()];
                     for n in 0..2 {
                         if let Some(ep) = self.nodes[n].ep.as_mut() {
                             ep.handle_disconnected(now, &format!("link {epoch} reset"));

@@ -305,7 +305,13 @@ struct OwnWrite {
 #[derive(Debug, Clone)]
 struct OwnFlush {
     local: Local,
+    /// `Unsent`: waiting for the link or for quorum.
     remote: Remote,
+    submitted: Instant,
+    /// Alone without quorum: fails with this.
+    refused: Option<ErrorKind>,
+    /// Completed without the peer: waiting for the new generation to be durable.
+    gen_pending: bool,
 }
 
 /// An entry in the apply list: local replica I/O that must be ordered against
@@ -442,6 +448,7 @@ struct Meta {
 #[derive(Debug, Clone, Copy)]
 enum MetaWaiter {
     OwnWrite(RequestId),
+    OwnFlush(RequestId),
     CheckpointAck(u64),
     Shutdown,
 }
@@ -839,6 +846,12 @@ impl Endpoint {
                     }
                     self.finish_own_write(req);
                 }
+                MetaWaiter::OwnFlush(req) => {
+                    if let Some(f) = self.own_flushes.get_mut(&req) {
+                        f.gen_pending = false;
+                    }
+                    self.finish_flush(req);
+                }
                 MetaWaiter::CheckpointAck(id) => {
                     if self.state == LinkState::Connected {
                         let status = if self.meta.failed {
@@ -871,22 +884,38 @@ impl Endpoint {
             }
         }
         if acknowledge && self.meta.sb.generations.bitmap == 0 {
-            let g = &mut self.meta.sb.generations;
-            g.bitmap = g.current;
-            let new = self.random_generation();
-            self.meta.sb.generations.current = new;
-            info!(
-                disk = %self.cfg.disk_name,
-                "first write without the peer: new generation {new:016x} (bitmap generation {:016x})",
-                self.meta.sb.generations.bitmap
-            );
-            self.meta.dirty_sb = true;
+            self.new_generation_alone();
             changed = true;
         }
         if changed {
             self.meta_touch();
         }
         // Anything already queued or in flight may hold these bits: wait for all of it.
+        self.meta.requested
+    }
+
+    /// This replica goes on without the peer: a new generation (once per separation),
+    /// the old one kept as the bitmap generation.
+    fn new_generation_alone(&mut self) {
+        let g = &mut self.meta.sb.generations;
+        g.bitmap = g.current;
+        let new = self.random_generation();
+        self.meta.sb.generations.current = new;
+        info!(
+            disk = %self.cfg.disk_name,
+            "first acknowledgement without the peer: new generation {new:016x} (bitmap generation {:016x})",
+            self.meta.sb.generations.bitmap
+        );
+        self.meta.dirty_sb = true;
+    }
+
+    /// As [`Self::mark_unmirrored`] for a flush completed alone: a new generation if
+    /// this separation has none yet. Returns the metadata generation to wait for.
+    fn move_generation_alone(&mut self) -> u64 {
+        if self.meta.sb.generations.bitmap == 0 {
+            self.new_generation_alone();
+            self.meta_touch();
+        }
         self.meta.requested
     }
 
@@ -1296,6 +1325,14 @@ impl Endpoint {
                 self.got_welcome = true;
                 self.maybe_connected(now);
             }
+            Message::ReplicaDetached => {
+                warn!(
+                    disk = %self.cfg.disk_name,
+                    "node {}'s replica is detached: this replica is the only complete copy",
+                    self.cfg.peer_id
+                );
+                self.peer_incomplete = true;
+            }
             Message::Refuse { reason } => {
                 warn!(disk = %self.cfg.disk_name, "refused by the peer: {reason}");
                 if self.state == LinkState::Connected {
@@ -1464,9 +1501,23 @@ impl Endpoint {
         self.quorum = Quorum::Idle;
         info!(disk = %self.cfg.disk_name, peer = self.cfg.peer_id, "peer connected: mirroring ({decision:?})");
         self.events.push_back(Event::Connected);
-        // Writes started while waiting for the link go out now, in order.
+        // Writes started while waiting for the link go out now, in order, then the
+        // flushes that waited (each covers the writes before it).
         while let Some(req) = self.unsent.pop_front() {
             self.send_own_write(now, req);
+        }
+        let mut flushes: Vec<RequestId> = self
+            .own_flushes
+            .iter()
+            .filter(|(_, f)| f.remote == Remote::Unsent)
+            .map(|(r, _)| *r)
+            .collect();
+        flushes.sort_unstable();
+        for req in flushes {
+            if let Some(f) = self.own_flushes.get_mut(&req) {
+                f.remote = Remote::Sent(now);
+            }
+            self.send(now, Message::Flush { id: req.0 });
         }
         match decision {
             Decision::InSync => {
@@ -1508,23 +1559,39 @@ impl Endpoint {
         waiting.sort_unstable();
         self.unsent.clear();
         self.settle_waiting_writes(waiting);
-        let flushes: Vec<RequestId> = self
-            .own_flushes
-            .iter()
-            .filter(|(_, f)| matches!(f.remote, Remote::Sent(_)))
-            .map(|(r, _)| *r)
-            .collect();
-        for req in flushes {
-            if let Some(f) = self.own_flushes.get_mut(&req) {
-                f.remote = Remote::Skipped;
-            }
-            self.finish_flush(req);
-        }
+        self.settle_waiting_flushes();
         for (req, _) in self.remote_reads.drain() {
             self.events.push_back(Event::Completed {
                 request: req,
                 result: Err(ErrorKind::Io),
             });
+        }
+    }
+
+    /// Flushes sent to the peer or waiting for it, while the peer is away: complete
+    /// them alone, fail them, or keep them for the peer, as quorum says.
+    fn settle_waiting_flushes(&mut self) {
+        let verdict = self.alone();
+        let mut waiting: Vec<RequestId> = self
+            .own_flushes
+            .iter()
+            .filter(|(_, f)| matches!(f.remote, Remote::Sent(_) | Remote::Unsent))
+            .map(|(r, _)| *r)
+            .collect();
+        waiting.sort_unstable();
+        for req in waiting {
+            let Some(f) = self.own_flushes.get_mut(&req) else {
+                continue;
+            };
+            match verdict {
+                Alone::Hold => f.remote = Remote::Unsent,
+                Alone::Allowed => f.remote = Remote::Skipped,
+                Alone::Fail(k) => {
+                    f.remote = Remote::Skipped;
+                    f.refused = Some(k);
+                }
+            }
+            self.finish_flush(req);
         }
     }
 
@@ -1598,6 +1665,7 @@ impl Endpoint {
     fn settle_held(&mut self, now: Instant) {
         let waiting: Vec<RequestId> = self.unsent.drain(..).collect();
         self.settle_waiting_writes(waiting);
+        self.settle_waiting_flushes();
         self.run_held_reads(now);
         self.start_ready(now);
     }
@@ -1687,13 +1755,34 @@ impl Endpoint {
             self.local_io.push_back(LocalIo::Flush { op });
             Local::Running
         };
-        let remote = if self.state == LinkState::Connected {
-            self.send(now, Message::Flush { id: req.0 });
-            Remote::Sent(now)
-        } else {
-            Remote::Skipped
+        let mut refused = None;
+        let remote = match self.state {
+            LinkState::Connected => {
+                self.send(now, Message::Flush { id: req.0 });
+                Remote::Sent(now)
+            }
+            // Like writes: wait for the first link (the connect timeout bounds it).
+            LinkState::Waiting | LinkState::Handshaking => Remote::Unsent,
+            // Durable on this node alone: only with quorum (or without a witness).
+            LinkState::Degraded => match self.alone() {
+                Alone::Allowed => Remote::Skipped,
+                Alone::Hold => Remote::Unsent,
+                Alone::Fail(k) => {
+                    refused = Some(k);
+                    Remote::Skipped
+                }
+            },
         };
-        self.own_flushes.insert(req, OwnFlush { local, remote });
+        self.own_flushes.insert(
+            req,
+            OwnFlush {
+                local,
+                remote,
+                submitted: now,
+                refused,
+                gen_pending: false,
+            },
+        );
         self.finish_flush(req);
         req
     }
@@ -2227,8 +2316,9 @@ impl Endpoint {
             if peer_complete {
                 // Writes from now on reach the peer only: a restart must not trust the
                 // replica (its disk may work again, with old data), so it is marked,
-                // durably, for a full resync.
+                // durably, for a full resync. The peer learns its copy is the only one.
                 self.distrust_replica();
+                self.send(now, Message::ReplicaDetached);
             } else {
                 // Alone, or with a peer that is an unfinished sync target of this node:
                 // no complete copy is left, so nothing is served or written until this
@@ -2266,6 +2356,8 @@ impl Endpoint {
         // Writes from now on reach the peer only: the replica is marked, durably, as
         // needing a full resync, so a restart while detached cannot trust it.
         self.distrust_replica();
+        let now = self.last_tx.max(self.last_rx);
+        self.send(now, Message::ReplicaDetached);
         self.detach(format!(
             "local replica detached by the operator; I/O is served by node {peer}"
         ));
@@ -2516,13 +2608,38 @@ impl Endpoint {
     }
 
     fn finish_flush(&mut self, req: RequestId) {
-        let Some((local, remote)) = self
-            .own_flushes
-            .get(&req)
-            .and_then(|f| settled(f.local, f.remote))
+        let Some((local, remote, refused, gen_pending)) =
+            self.own_flushes.get(&req).and_then(|f| {
+                settled(f.local, f.remote).map(|(l, r)| (l, r, f.refused, f.gen_pending))
+            })
         else {
             return;
         };
+        if gen_pending {
+            return;
+        }
+        if let Some(k) = refused {
+            self.own_flushes.remove(&req);
+            self.events.push_back(Event::Completed {
+                request: req,
+                result: Err(k),
+            });
+            return;
+        }
+        if remote.is_none() && local.is_ok() && !self.meta.sb.inconsistent {
+            // Durable here and not (known to be) on the peer: this replica is now
+            // ahead of it, as after a write acknowledged alone. Its generation moves
+            // on, durably, before the flush is acknowledged, so a restart of both
+            // cannot take the peer's copy over this one.
+            let mgen = self.move_generation_alone();
+            if !self.meta_durable(mgen) {
+                if let Some(f) = self.own_flushes.get_mut(&req) {
+                    f.gen_pending = true;
+                }
+                self.meta.waiters.push((mgen, MetaWaiter::OwnFlush(req)));
+                return;
+            }
+        }
         // Durable on a complete copy: this replica if it is not an unfinished sync
         // target, or the peer's if it is not one (of this node) and took everything.
         let local_counts = local.is_ok() && !self.meta.sb.inconsistent;
@@ -2582,7 +2699,12 @@ impl Endpoint {
             .filter_map(|r| self.own_writes.get(r))
             .map(|w| w.submitted);
         let reads = self.held_reads.iter().map(|r| r.3);
-        writes.chain(reads).min()
+        let flushes = self
+            .own_flushes
+            .values()
+            .filter(|f| f.remote == Remote::Unsent)
+            .map(|f| f.submitted);
+        writes.chain(reads).chain(flushes).min()
     }
 
     fn oldest_unacked(&self) -> Option<Instant> {

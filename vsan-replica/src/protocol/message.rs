@@ -11,7 +11,9 @@ use bytes::Bytes;
 /// 2: generations, bitmap and checksum resync, online verify. 3: [`Message::SyncRequest`]
 /// (a replica that lost data asks its peer for a full resync; a version-2 peer could not
 /// decode it and would drop the link where it should become the sync source).
-pub const PROTOCOL_VERSION: u32 = 3;
+/// 4: [`Message::ReplicaDetached`] (a node whose replica failed tells its peer that the
+/// peer's replica is the only complete copy).
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// Identifies one replicated disk across both nodes (set when the disk is created).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -325,6 +327,11 @@ pub enum Message {
     /// right before the sender's `SyncBitmap`; a receiver that cannot be the source
     /// (its own replica is detached or inconsistent) refuses the link.
     SyncRequest,
+    /// The sender's replica failed (or was detached by the operator) and is marked for
+    /// a full resync: until a resync from the receiver completes, the receiver's
+    /// replica is the only complete copy (so if it fails too, the receiver keeps it
+    /// rather than distrusting it, and fails I/O until it is back).
+    ReplicaDetached,
     /// Transport (lanes): the next message on this link is number `seq` of the lane
     /// group, so the receiver can put messages sent over several lanes back in order.
     /// Consumed by [`transport::lanes`](crate::transport::lanes); never reaches the

@@ -142,6 +142,7 @@ pub fn validate(msg: &Message) -> Result<(), WireError> {
         | Message::SyncCheckpointAck { .. }
         | Message::SyncDone { .. }
         | Message::SyncRequest
+        | Message::ReplicaDetached
         | Message::LaneSeq { .. } => {}
         Message::LaneJoin { index, count, .. } => {
             if *count == 0 || *count > MAX_LANES || index >= count {
@@ -289,6 +290,7 @@ pub fn encode(msg: &Message) -> Result<Frame, WireError> {
             Bytes::new(),
         ),
         Message::SyncRequest => build(kind, &pb::SyncRequest {}, Bytes::new()),
+        Message::ReplicaDetached => build(kind, &pb::ReplicaDetached {}, Bytes::new()),
         Message::LaneSeq { seq } => build(kind, &pb::Token { id: *seq }, Bytes::new()),
         Message::LaneJoin {
             group,
@@ -477,6 +479,10 @@ pub fn decode(buf: &mut BytesMut) -> Result<Option<Message>, WireError> {
         Kind::SyncRequest => {
             meta_of::<pb::SyncRequest>(kind, meta)?;
             Message::SyncRequest
+        }
+        Kind::ReplicaDetached => {
+            meta_of::<pb::ReplicaDetached>(kind, meta)?;
+            Message::ReplicaDetached
         }
         Kind::LaneSeq => Message::LaneSeq {
             seq: meta_of::<pb::Token>(kind, meta)?.id,

@@ -68,6 +68,8 @@ pub enum Kind {
     SyncDone = 19,
     /// [`Message::SyncRequest`].
     SyncRequest = 20,
+    /// [`Message::ReplicaDetached`].
+    ReplicaDetached = 21,
     /// Transport authentication: a challenge (never reaches the protocol).
     AuthChallenge = 64,
     /// Transport authentication: the answer to a challenge (never reaches the protocol).
@@ -102,6 +104,7 @@ impl Kind {
             18 => Kind::SyncCheckpointAck,
             19 => Kind::SyncDone,
             20 => Kind::SyncRequest,
+            21 => Kind::ReplicaDetached,
             64 => Kind::AuthChallenge,
             65 => Kind::AuthResponse,
             66 => Kind::LaneSeq,
@@ -133,6 +136,7 @@ impl Kind {
             Message::SyncCheckpointAck { .. } => Kind::SyncCheckpointAck,
             Message::SyncDone { .. } => Kind::SyncDone,
             Message::SyncRequest => Kind::SyncRequest,
+            Message::ReplicaDetached => Kind::ReplicaDetached,
             Message::LaneSeq { .. } => Kind::LaneSeq,
             Message::LaneJoin { .. } => Kind::LaneJoin,
         }

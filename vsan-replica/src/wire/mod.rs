@@ -48,6 +48,7 @@
 //! | 18   | `SyncCheckpointAck`  | `Reply`                  | none            |
 //! | 19   | `SyncDone`           | `SyncDone`               | none            |
 //! | 20   | `SyncRequest`        | `SyncRequest`            | none            |
+//! | 21   | `ReplicaDetached`    | `ReplicaDetached`        | none            |
 //! | 64   | transport: auth challenge | `AuthChallenge`     | none            |
 //! | 65   | transport: auth response  | `AuthResponse`      | none            |
 //! | 66   | transport: `LaneSeq` | `Token` (the sequence number) | none |

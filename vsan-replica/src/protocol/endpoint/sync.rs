@@ -993,6 +993,8 @@ impl Endpoint {
             self.meta_touch();
             let generations = self.meta.sb.generations;
             self.send(now, Message::SyncDone { generations });
+            // The peer holds everything again.
+            self.peer_incomplete = false;
             info!(
                 disk = %self.cfg.disk_name,
                 "{} done as source: {} bytes sent of {} in {:?}; in sync",
