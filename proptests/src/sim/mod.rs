@@ -182,19 +182,6 @@ pub fn run_with(seed: u64, sabotage: Sabotage, trace: bool) -> Result<Outcome, F
     run_sim(Sim::new(seed, sabotage, trace), seed)
 }
 
-/// Run `seed` letting the two nodes' clients race a write against an overlapping write
-/// of the other node still in flight, which the normal runs avoid: that finds a known,
-/// unfixed bug (see TESTING.md, "Known failures"). On the resolver (node 1), the peer's
-/// write loses wherever an own write awaits its ack, and is acknowledged at once,
-/// before the own write that won is applied (or, for a FUA write, durable): a read on
-/// node 1 in between returns data older than the acknowledged write, and a power cut
-/// can lose the FUA write's part.
-pub fn run_with_races(seed: u64, trace: bool) -> Result<Outcome, Failure> {
-    let mut sim = Sim::new(seed, Sabotage::None, trace);
-    sim.races = true;
-    run_sim(sim, seed)
-}
-
 fn run_sim(mut sim: Sim, seed: u64) -> Result<Outcome, Failure> {
     match sim.run() {
         Ok(()) => Ok(Outcome {
@@ -342,8 +329,6 @@ struct Sim {
     rng: SmallRng,
     plan: Plan,
     sabotage: Sabotage,
-    /// Let writes race overlapping writes of the other node (see [`run_with_races`]).
-    races: bool,
     base: Instant,
     t: Duration,
     seq: u64,
@@ -465,7 +450,6 @@ impl Sim {
             rng,
             plan,
             sabotage,
-            races: false,
             base: Instant::now(),
             t: Duration::ZERO,
             seq: 0,
@@ -1319,9 +1303,6 @@ impl Sim {
         let offset = start * SECTOR;
         let len = count * SECTOR;
         let fua = self.rng.random_bool(0.2);
-        if roll < 60 && !self.races && self.hist.races(id, (start, count)) {
-            return Ok(());
-        }
         let ep = self.nodes[n].ep.as_mut().expect("checked");
         let (req, what) = match roll {
             0..=54 => {

@@ -336,6 +336,10 @@ struct Apply {
     /// One of its operations was issued before the local replica lost data and
     /// completed after: what it read or wrote may be gone.
     suspect: bool,
+    /// A peer write that lost parts to own writes awaiting their acks (rule 3): only
+    /// these parts are written. It still waits, over its whole range, for the own
+    /// writes before it, and then flushes (see `peer_write`).
+    keep: Option<Vec<Range>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -874,6 +878,7 @@ impl Endpoint {
     fn mark_unmirrored(&mut self, range: Range, acknowledge: bool) -> u64 {
         let mut changed = false;
         for c in self.meta.layout.chunks_of(range.start, range.len()) {
+            self.sync_remarked(c);
             if self.meta.bitmap.set(c) {
                 let b = Bitmap::block_of(c);
                 if self.meta.cleared_blocks.contains(&b) {
@@ -1924,6 +1929,17 @@ impl Endpoint {
     }
 
     fn push_apply(&mut self, kind: ApplyKind, ranges: Vec<Range>, gate: u64) -> usize {
+        self.push_apply_keeping(kind, ranges, gate, None)
+    }
+
+    /// As [`Self::push_apply`], writing only `keep` of `ranges` (a trimmed peer write).
+    fn push_apply_keeping(
+        &mut self,
+        kind: ApplyKind,
+        ranges: Vec<Range>,
+        gate: u64,
+        keep: Option<Vec<Range>>,
+    ) -> usize {
         let id = self.next_apply;
         self.next_apply += 1;
         let extents = if kind.is_write() && !matches!(kind, ApplyKind::SyncWrite { .. }) {
@@ -1943,6 +1959,7 @@ impl Endpoint {
             extents,
             data: None,
             suspect: false,
+            keep,
         });
         let at = self.apply.len() - 1;
         self.try_start_apply(at);
@@ -2101,9 +2118,17 @@ impl Endpoint {
                 return;
             }
         };
-        let pieces = self.apply[i].ranges.clone();
+        let trimmed = self.apply[i].keep.is_some();
+        let pieces = self.apply[i]
+            .keep
+            .clone()
+            .unwrap_or_else(|| self.apply[i].ranges.clone());
+        // A trimmed peer write is acknowledged only once the own writes that won its
+        // other parts are in place, and, for FUA, durable: a flush after them (also the
+        // one operation when nothing of it is left to write).
+        let flush = trimmed && (fua || pieces.is_empty());
         self.apply[i].started = true;
-        self.apply[i].running_ops = pieces.len();
+        self.apply[i].running_ops = pieces.len() + usize::from(flush);
         for piece in pieces {
             let sub = slice_payload(&payload, offset, piece);
             let op = self.op_id(OpPurpose::Apply(id));
@@ -2113,6 +2138,10 @@ impl Endpoint {
                 payload: sub,
                 fua,
             });
+        }
+        if flush {
+            let op = self.op_id(OpPurpose::Apply(id));
+            self.local_io.push_back(LocalIo::Flush { op });
         }
     }
 
@@ -2155,21 +2184,15 @@ impl Endpoint {
         }
         // Rule 3: on the resolver, the peer's write loses wherever an own write is still
         // awaiting its ack.
-        let ranges = if self.is_resolver() {
-            subtract(range, &self.unacked_own_ranges())
+        // It is acknowledged only after the own writes that won are applied here (and
+        // durable, for FUA): acknowledging it at once would let a read here, after the
+        // peer's caller saw its write complete, return data older than both.
+        let keep = if self.is_resolver() {
+            let keep = subtract(range, &self.unacked_own_ranges());
+            (keep.len() != 1 || keep[0] != range).then_some(keep)
         } else {
-            vec![range]
+            None
         };
-        if ranges.is_empty() {
-            self.send(
-                now,
-                Message::WriteAck {
-                    id,
-                    status: Status::Ok,
-                },
-            );
-            return;
-        }
         self.peer_writes.insert(
             (self.link_epoch, id),
             PeerWrite {
@@ -2178,7 +2201,7 @@ impl Endpoint {
                 fua,
             },
         );
-        self.push_apply(ApplyKind::Peer(id), ranges, 0);
+        self.push_apply_keeping(ApplyKind::Peer(id), vec![range], 0, keep);
     }
 
     // ----- local completions -----

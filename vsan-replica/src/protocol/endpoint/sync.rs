@@ -1031,6 +1031,20 @@ impl Endpoint {
         Some(t.max(s.pumped + SYNC_RETRY))
     }
 
+    /// Chunk `c` was marked again (a write the peer does not hold) while this node is
+    /// the source: a copy acknowledged before no longer makes it equal, so no checkpoint
+    /// may clear its bit; a later pass copies it again.
+    pub(super) fn sync_remarked(&mut self, c: u64) {
+        let Some(s) = self.sync.as_mut().filter(|s| s.role == SyncRole::Source) else {
+            return;
+        };
+        s.acked.retain(|x| *x != c);
+        s.pending_clear.remove(&c);
+        if let Some((_, chunks)) = s.checkpoint.as_mut() {
+            chunks.retain(|x| *x != c);
+        }
+    }
+
     pub(super) fn sync_tick(&mut self, now: Instant) {
         self.sync_pump(now);
     }
