@@ -152,14 +152,31 @@ fn replay() {
     }
 }
 
-/// Seeds that found bugs (each line says which); they must keep passing.
-const REGRESSIONS: &[u64] = &[];
+/// Seeds that catch a defect, with the patch in `proptests/sabotage/` that puts the
+/// defect back (`proptests/sabotage/run.sh <patch>` shows the seed failing; TESTING.md
+/// says what each was). On the real code they must pass.
+const REGRESSIONS: &[(u64, &str)] = &[
+    (2, "no-peer-ack-wait"),
+    (4, "no-bitmap-marks"),
+    (2, "fixed-witness-stale-read-before-handshake"),
+    (14, "fixed-failure-alone-distrusts-only-copy"),
+    (36, "fixed-sync-timer-spins"),
+    (145, "fixed-target-read-before-source-bitmap"),
+    (178, "fixed-incomplete-target-acks-alone"),
+    (191, "fixed-write-failed-alone-acked-by-peer"),
+    (207, "fixed-detached-target-waits-forever"),
+    (277, "fixed-inconsistent-read-without-grant"),
+    (747, "fixed-resolver-acks-before-winner"),
+    (922, "fixed-first-sync-target-stuck"),
+    (2460, "fixed-peer-detached-not-announced"),
+    (3774, "fixed-flush-on-incomplete-copy"),
+];
 
 #[test]
 fn regressions() {
-    for &seed in REGRESSIONS {
+    for &(seed, patch) in REGRESSIONS {
         if let Err(f) = sim::run(seed) {
-            panic!("{f}");
+            panic!("seed {seed} (kept for {patch}.patch): {f}");
         }
     }
 }

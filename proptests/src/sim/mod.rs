@@ -303,6 +303,8 @@ struct Node {
     witness_cut: bool,
     /// The newest witness request (claims older than it stop retrying).
     witness_gen: u64,
+    /// When this node's last witness request arrives there (they arrive in order).
+    witness_at: Duration,
     timer: Option<Instant>,
 }
 
@@ -400,6 +402,7 @@ fn new_node(id: u32) -> Node {
         disk_errors: false,
         witness_cut: false,
         witness_gen: 0,
+        witness_at: Duration::ZERO,
         timer: None,
     }
 }
@@ -905,17 +908,26 @@ impl Sim {
             Event::NeedQuorum => {
                 self.nodes[n].witness_gen += 1;
                 let (inc, wgen) = (self.nodes[n].inc, self.nodes[n].witness_gen);
-                let d = self.net_delay();
+                let d = self.witness_delay(n);
                 self.at(d, Ev::Claim { node: n, inc, wgen });
             }
             Event::ReleaseQuorum => {
                 self.nodes[n].witness_gen += 1;
-                let d = self.net_delay();
+                let d = self.witness_delay(n);
                 self.at(d, Ev::Release { node: n });
             }
             other => tr!(self, format!("node {id}: {other:?}")),
         }
         Ok(())
+    }
+
+    /// When a request of node `n` reaches the witness, from now: the driver's witness
+    /// worker sends one request at a time, in order, so requests never overtake.
+    fn witness_delay(&mut self, n: usize) -> Duration {
+        let at =
+            (self.t + self.net_delay()).max(self.nodes[n].witness_at + Duration::from_micros(1));
+        self.nodes[n].witness_at = at;
+        at - self.t
     }
 
     fn net_delay(&mut self) -> Duration {
@@ -1107,7 +1119,11 @@ impl Sim {
                 }
                 self.pump(node)?;
                 if !granted && wgen == self.nodes[node].witness_gen {
-                    self.at(Duration::from_secs(1), Ev::Claim { node, inc, wgen });
+                    // The worker asks again a second later.
+                    let at = (self.t + Duration::from_secs(1))
+                        .max(self.nodes[node].witness_at + Duration::from_micros(1));
+                    self.nodes[node].witness_at = at;
+                    self.at(at - self.t, Ev::Claim { node, inc, wgen });
                 }
             }
             Ev::Release { node } => {

@@ -68,8 +68,10 @@ pub struct Config {
     /// Quorum policy when a witness is configured (`None`: no witness, a node that lost
     /// its peer goes on alone).
     pub quorum: Option<QuorumPolicy>,
-    /// Seed for the generation ids this node makes (the driver passes a random one; a
-    /// simulation passes a fixed one).
+    /// Seed for the generation ids this node makes: random from [`Config::new`] (two
+    /// nodes, or two starts of one node, with the same seed would make the same "new"
+    /// generations, and two sides written apart could look like one history); a
+    /// simulation sets a fixed one.
     pub seed: u64,
 }
 
@@ -119,7 +121,7 @@ pub enum QuorumPolicy {
 
 impl Config {
     /// A config with the default timeouts (peer 5 s, ping 1 s, first connection 5 s), no
-    /// witness, split brains refused, dynamic resync rate.
+    /// witness, split brains refused, dynamic resync rate, a random generation seed.
     pub fn new(
         node_id: u32,
         peer_id: u32,
@@ -141,7 +143,7 @@ impl Config {
             split_brain: SplitBrainPolicy::Refuse,
             resync: ResyncConfig::default(),
             quorum: None,
-            seed: 0x7673_616e,
+            seed: rand::random(),
         }
     }
 }
@@ -1562,6 +1564,19 @@ impl Endpoint {
             .map(|(r, _)| *r)
             .collect();
         waiting.sort_unstable();
+        // A write sent on the lost link may or may not have reached the peer's replica
+        // (and lost or won there against overlapping writes): whatever happens to it
+        // now (held and sent again, completed alone, failed), its chunks are marked, so
+        // the next resync makes both replicas agree on them.
+        let sent: Vec<Range> = waiting
+            .iter()
+            .filter_map(|r| self.own_writes.get(r))
+            .filter(|w| matches!(w.remote, Remote::Sent(_)))
+            .map(|w| Range::new(w.offset, w.payload.len()))
+            .collect();
+        for r in sent {
+            self.mark_unmirrored(r, false);
+        }
         self.unsent.clear();
         self.settle_waiting_writes(waiting);
         self.settle_waiting_flushes();
@@ -2342,11 +2357,12 @@ impl Endpoint {
                 // durably, for a full resync. The peer learns its copy is the only one.
                 self.distrust_replica();
                 self.send(now, Message::ReplicaDetached);
-            } else {
+            } else if !self.meta.sb.inconsistent {
                 // Alone, or with a peer that is an unfinished sync target of this node:
                 // no complete copy is left, so nothing is served or written until this
                 // replica is back; it misses nothing, and it may be the only copy of
-                // the newest data. Keep it (see `detached_alone`).
+                // the newest data. Keep it (see `detached_alone`). (A replica that is
+                // not complete itself holds nothing the peer lacks: it is only detached.)
                 self.detached_alone = true;
             }
         }
