@@ -176,8 +176,9 @@ pub(crate) struct Inner {
 /// record whose header crc, seq or data crc does not fit; every record before it is
 /// replayed into the index, and the rest of the log is zeroed before anything is appended
 /// (a whole but never acknowledged record behind a torn one could otherwise be taken for a
-/// new one later). Format starts the sequence numbers at a random value, so the records
-/// of an earlier format of the same device are never mistaken for new ones.
+/// new one later). Format, and an open after a clean shutdown, start the sequence numbers
+/// at a random value, so the records of an earlier format of the same device (or whole
+/// records the clean superblock does not know of) are never mistaken for new ones.
 ///
 /// # Cache device failure
 /// An error from the fast device switches the cache to pass-through for good (until it
@@ -319,7 +320,7 @@ impl WriteBackCache {
         cfg.check()
             .map_err(|e| Error::new(ErrorKind::InvalidArgument, format!("cache settings: {e}")))?;
         check_fast_block(&fast)?;
-        let sb = Self::inspect(&fast).await?;
+        let mut sb = Self::inspect(&fast).await?;
         if sb.failed {
             return Err(corrupt(
                 "the cache device failed while in use: its log is stale (newer writes went to \
@@ -374,6 +375,12 @@ impl WriteBackCache {
                 bytes: 0,
                 stopped: String::new(),
             };
+            // The log is empty, but its space may hold whole records the clean superblock
+            // does not know of (left after a newer superblock copy that was lost): the next
+            // crash's scan would take any of them that carries the next seq. Start the seqs
+            // afresh, as format does, so none can.
+            sb.tail_seq = (random_u64() >> 4) | (1 << 40);
+            sb.next_seq = sb.tail_seq;
             (sb.head, sb.next_seq, r)
         } else {
             let log = if let Some(s) =
@@ -426,7 +433,9 @@ impl WriteBackCache {
         };
         // A record that ends past the backing store would be refused on every destage.
         if let Some(bad) = records.iter().find(|r| {
-            r.kind != RecKind::Marker && (r.lba + u64::from(r.nblocks)) * BLOCK > g.size()
+            // `lba + nblocks` fits (the header decoder checks); in bytes it may not.
+            let end = (r.lba + u64::from(r.nblocks)).checked_mul(BLOCK);
+            r.kind != RecKind::Marker && end.is_none_or(|end| end > g.size())
         }) {
             return Err(corrupt(format!(
                 "cache log record at {} covers blocks {}.. past the backing store's end",

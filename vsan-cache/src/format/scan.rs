@@ -42,7 +42,7 @@ pub enum StopReason {
         len: u64,
     },
     /// The next record would end past `tail + log_len`: the scan has gone round the whole
-    /// log.
+    /// log (or past the last position a `u64` holds, which no writer reaches).
     FullCircle,
     /// The arguments do not describe a log (`log.len() != log_len`, a `log_len` that
     /// [`check_log_len`](super::check_log_len) refuses, a `tail` not a multiple of 64);
@@ -114,17 +114,18 @@ pub fn scan(
             );
         }
         let (len, next) = if h.is_wrap() {
-            (HEADER_LEN as u64, (pos - off).saturating_add(log_len))
+            (HEADER_LEN as u64, (pos - off).checked_add(log_len))
         } else {
             let len = h.stored_len();
             if off + len > log_len {
                 return end(pos, seq, StopReason::Straddles { len });
             }
-            (len, pos.saturating_add(len))
+            (len, pos.checked_add(len))
         };
-        if next > limit {
+        // A record that would end past the last position a u64 holds was never written.
+        let Some(next) = next.filter(|&n| n <= limit) else {
             return end(pos, seq, StopReason::FullCircle);
-        }
+        };
         let data_at = off_us + HEADER_LEN;
         // Bounded by the straddle check; 0 for WRAP and FLUSH.
         let data = &log[data_at..data_at + h.data_len() as usize];

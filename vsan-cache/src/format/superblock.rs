@@ -196,7 +196,8 @@ impl Superblock {
     }
 
     /// Checks that the fields describe a usable cache: block sizes, log length, record
-    /// alignment of `tail`, and, when clean, a `head`/`next_seq` that fit `tail`/`tail_seq`.
+    /// alignment of `tail`, `seq`, `tail_seq` and `tail` at most `u64::MAX / 2`, and, when
+    /// clean, a `head`/`next_seq` that fit `tail`/`tail_seq`.
     ///
     /// [`decode`](Self::decode) runs it; whoever formats a device should run it before
     /// writing.
@@ -230,6 +231,17 @@ impl Superblock {
         check_log_len(self.log_len)?;
         if self.tail % RECORD_ALIGN != 0 {
             return bad(format!("tail {} is not a multiple of 64", self.tail));
+        }
+        // Sequence numbers grow by one per write and positions by its bytes: past half
+        // their range is damage, and counting on from there would overflow.
+        for (what, v) in [
+            ("seq", self.seq),
+            ("tail seq", self.tail_seq),
+            ("tail", self.tail),
+        ] {
+            if v > u64::MAX / 2 {
+                return bad(format!("{what} {v} is implausible"));
+            }
         }
         if self.clean_shutdown {
             let (tail, head) = (self.tail, self.head);

@@ -8,6 +8,12 @@
 //!   message rules are reached, which a random crc almost never allows.
 //! * [`check_roundtrip`] (`frame_roundtrip`): the input chooses a message
 //!   ([`message`]), which is encoded and decoded.
+//!
+//! The metadata targets (`meta_superblock`, `meta_al`, `meta_open`) check
+//! `vsan_replica::meta`; their checks are in [`meta`], a file the main workspace's
+//! `tests/meta_corpus.rs` compiles in too.
+
+pub mod meta;
 
 use arbitrary::Unstructured;
 use bytes::{Bytes, BytesMut};
@@ -287,7 +293,7 @@ fn arb_data(u: &mut Unstructured<'_>) -> arbitrary::Result<Bytes> {
 /// A message of any kind chosen by `u`, valid or not (an empty write, a range past
 /// `u64::MAX`, overlapping bitmap runs are all possible).
 pub fn message(u: &mut Unstructured<'_>) -> arbitrary::Result<Message> {
-    Ok(match u.int_in_range(0..=21u8)? {
+    Ok(match u.int_in_range(0..=22u8)? {
         0 => Message::Hello(Hello {
             protocol_version: u.arbitrary()?,
             node_id: u.arbitrary()?,
@@ -379,6 +385,7 @@ pub fn message(u: &mut Unstructured<'_>) -> arbitrary::Result<Message> {
             generations: arb_generations(u)?,
         },
         19 => Message::SyncRequest,
+        21 => Message::ReplicaDetached,
         20 => Message::LaneSeq {
             seq: u.arbitrary()?,
         },
