@@ -345,6 +345,8 @@ struct Sim {
     next_write: u64,
     clients_on: bool,
     healing: bool,
+    /// The operator discarded one node's data (see `pick_a_side`).
+    discarded: bool,
     faults: u32,
     events: u64,
     tracing: bool,
@@ -472,6 +474,7 @@ impl Sim {
             next_write: 1,
             clients_on: true,
             healing: false,
+            discarded: false,
             faults: 0,
             events: 0,
             tracing: print,
@@ -1185,6 +1188,36 @@ impl Sim {
         Ok(())
     }
 
+    /// Both replicas inconsistent (both failed, or both distrusted) and apart: only the
+    /// operator can pick one; it discards the data of the one whose generation the
+    /// other went on from (it missed what the other did since), else node 2's.
+    fn pick_a_side(&mut self) -> Result<(), String> {
+        let (Some(a), Some(b)) = (self.nodes[0].ep.as_ref(), self.nodes[1].ep.as_ref()) else {
+            return Ok(());
+        };
+        if !(a.is_inconsistent() && b.is_inconsistent())
+            || a.state() == LinkState::Connected
+            || self.discarded
+        {
+            return Ok(());
+        }
+        let (ga, gb) = (a.generations(), b.generations());
+        let older_a = ga.current == gb.bitmap || gb.history.contains(&ga.current);
+        let n = if older_a { 0 } else { 1 };
+        tr!(
+            self,
+            format!(
+                "operator: both replicas inconsistent; node {} discards its data",
+                n + 1
+            )
+        );
+        self.discarded = true;
+        if let Some(ep) = self.nodes[n].ep.as_mut() {
+            ep.discard_my_data();
+        }
+        Ok(())
+    }
+
     fn heal_partition(&mut self) -> Result<(), String> {
         if !self.link.partitioned {
             return Ok(());
@@ -1285,8 +1318,10 @@ impl Sim {
 
     fn client(&mut self, n: usize) -> Result<(), String> {
         if self.healing {
-            // The operator's periodic look: attach detached replicas.
+            // The operator's periodic look: attach detached replicas, and pick a side
+            // when both replicas are inconsistent.
             self.reattach(n)?;
+            self.pick_a_side()?;
             self.at(Duration::from_millis(100), Ev::Client { node: n });
             return Ok(());
         }

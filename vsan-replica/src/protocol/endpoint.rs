@@ -1537,7 +1537,17 @@ impl Endpoint {
                     self.events.push_back(Event::ReleaseQuorum);
                 }
             }
-            Decision::Source { full } => self.start_sync(now, SyncRole::Source, full),
+            Decision::Source { full } => {
+                if self.meta.sb.inconsistent {
+                    // Both were inconsistent and the peer's operator discarded its data:
+                    // this replica is taken as the data from now on.
+                    warn!(disk = %self.cfg.disk_name, "the peer discards its data: this inconsistent replica becomes the resync source");
+                    self.meta.sb.inconsistent = false;
+                    self.meta.dirty_sb = true;
+                    self.meta_touch();
+                }
+                self.start_sync(now, SyncRole::Source, full)
+            }
             Decision::Target { full } => self.start_sync(now, SyncRole::Target, full),
             Decision::Refuse(_) => {}
         }

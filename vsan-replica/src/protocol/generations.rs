@@ -82,11 +82,20 @@ impl Decision {
 pub fn decide(me: &Side, peer: &Side, policy: SplitBrainPolicy) -> Decision {
     let (a, b) = (me.generations, peer.generations);
     if me.inconsistent && peer.inconsistent {
-        return Decision::Refuse(format!(
-            "neither node {} nor node {} holds usable data: both are unfinished sync targets",
-            me.node_id.min(peer.node_id),
-            me.node_id.max(peer.node_id)
-        ));
+        // (Both replicas failed, or both were cut off mid-resync.) Only an operator can
+        // say which holds the data: the side that discards its own becomes the target
+        // of a full resync from the other.
+        return match (me.discard_my_data, peer.discard_my_data) {
+            (true, false) => Decision::Target { full: true },
+            (false, true) => Decision::Source { full: true },
+            _ => Decision::Refuse(format!(
+                "neither node {} nor node {} holds usable data: both are unfinished sync \
+                 targets (or were distrusted after a failure); discard one node's data \
+                 (discard-my-data) to resync it in full from the other",
+                me.node_id.min(peer.node_id),
+                me.node_id.max(peer.node_id)
+            )),
+        };
     }
     if me.inconsistent {
         return resume(me, peer);

@@ -995,6 +995,13 @@ impl Endpoint {
             self.send(now, Message::SyncDone { generations });
             // The peer holds everything again.
             self.peer_incomplete = false;
+            if self.detached_alone {
+                // This replica failed as the run ended: the peer, complete now, takes
+                // the I/O, and this replica is distrusted as after any other failure.
+                self.detached_alone = false;
+                self.distrust_replica();
+                self.send(now, Message::ReplicaDetached);
+            }
             info!(
                 disk = %self.cfg.disk_name,
                 "{} done as source: {} bytes sent of {} in {:?}; in sync",
