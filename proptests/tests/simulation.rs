@@ -170,6 +170,8 @@ const REGRESSIONS: &[(u64, &str)] = &[
     (922, "fixed-first-sync-target-stuck"),
     (2460, "fixed-peer-detached-not-announced"),
     (3774, "fixed-flush-on-incomplete-copy"),
+    (26478, "fixed-source-fails-as-resync-ends"),
+    (28966, "fixed-resent-write-not-marked"),
 ];
 
 #[test]
