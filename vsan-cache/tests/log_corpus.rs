@@ -15,6 +15,8 @@ mod checks;
 
 use std::path::{Path, PathBuf};
 
+use vsan_core::corpus::{mutations, replay};
+
 use checks::{RecordInput, RecoverInput, Recovered};
 use vsan_cache::format::{self, CacheMode, HEADER_LEN, RecordHeader, Superblock};
 use vsan_core::ErrorKind;
@@ -27,41 +29,9 @@ fn corpus_root() -> PathBuf {
 /// The files of one target's corpus, sorted by name.
 fn corpus(target: &str) -> Vec<(PathBuf, Vec<u8>)> {
     let dir = corpus_root().join(target);
-    let mut files: Vec<_> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("read {}: {e}", dir.display()))
-        .map(|entry| entry.expect("a corpus entry").path())
-        .filter(|p| p.is_file())
-        .collect();
-    files.sort();
+    let files = vsan_core::corpus::files(&dir);
     assert!(!files.is_empty(), "no corpus in {}", dir.display());
     files
-        .into_iter()
-        .map(|p| {
-            let bytes = std::fs::read(&p).unwrap_or_else(|e| panic!("read {}: {e}", p.display()));
-            (p, bytes)
-        })
-        .collect()
-}
-
-/// `bytes` with one byte changed at each of `n` places spread over it (the first ones
-/// in the header fields of the inputs).
-fn mutations(bytes: &[u8], n: usize) -> impl Iterator<Item = Vec<u8>> + '_ {
-    (0..n.min(bytes.len())).map(move |i| {
-        let mut m = bytes.to_vec();
-        let at = if i < 16 {
-            i * 5 % bytes.len()
-        } else {
-            (i * 7919 + 13) % bytes.len()
-        };
-        m[at] ^= [0x01, 0x80, 0xff][i % 3];
-        m
-    })
-}
-
-/// Runs `check` on `bytes`, naming the file when it fails.
-fn replay<T>(path: &Path, bytes: &[u8], check: impl Fn(&[u8]) -> T) -> T {
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| check(bytes)))
-        .unwrap_or_else(|_| panic!("{} fails its check", path.display()))
 }
 
 #[test]
@@ -72,7 +42,7 @@ fn record_corpus() {
         raw += usize::from(got.raw);
         prepared += usize::from(got.prepared);
         scanned += usize::from(got.scanned > 0);
-        for m in mutations(&bytes, 32) {
+        for m in mutations(&bytes, 32, 5) {
             replay(&path, &m, checks::check_record);
         }
     }
@@ -90,7 +60,7 @@ fn superblock_corpus() {
         for (p, g) in picked.iter_mut().zip(got) {
             *p += usize::from(g);
         }
-        for m in mutations(&bytes, 32) {
+        for m in mutations(&bytes, 32, 5) {
             replay(&path, &m, checks::check_superblock);
         }
     }
@@ -112,7 +82,7 @@ fn recover_corpus() {
                 refused.insert(format!("{kind:?}"));
             }
         }
-        for m in mutations(&bytes, 4) {
+        for m in mutations(&bytes, 4, 5) {
             replay(&path, &m, checks::check_recover);
         }
     }

@@ -30,6 +30,8 @@
 //! ```
 #![deny(missing_docs)]
 
+#[cfg(feature = "test-utils")]
+pub mod corpus;
 pub mod device;
 pub mod error;
 pub mod export;

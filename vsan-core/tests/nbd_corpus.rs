@@ -81,20 +81,7 @@ fn corpus_root() -> PathBuf {
 
 /// Every file of `target`'s committed corpus, sorted by name.
 fn corpus(target: &str) -> Vec<(PathBuf, Vec<u8>)> {
-    let dir = corpus_root().join(target);
-    let mut files: Vec<_> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("read {}: {e}", dir.display()))
-        .map(|entry| entry.expect("a corpus entry").path())
-        .filter(|p| p.is_file())
-        .collect();
-    files.sort();
-    files
-        .into_iter()
-        .map(|p| {
-            let bytes = std::fs::read(&p).unwrap_or_else(|e| panic!("read {}: {e}", p.display()));
-            (p, bytes)
-        })
-        .collect()
+    vsan_core::corpus::files(&corpus_root().join(target))
 }
 
 /// What replaying one target's corpus gave, summed over its sessions.
@@ -126,21 +113,6 @@ impl Reach {
     }
 }
 
-/// Runs `check` on `bytes`, naming `path` if it panics.
-fn replay_file<T>(path: &Path, bytes: &[u8], check: impl FnOnce(&[u8]) -> T) -> T {
-    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| check(bytes))) {
-        Ok(v) => v,
-        Err(e) => {
-            let msg = e
-                .downcast_ref::<String>()
-                .map(String::as_str)
-                .or_else(|| e.downcast_ref::<&str>().copied())
-                .unwrap_or("(no message)");
-            panic!("{} fails its check: {msg}", path.display());
-        }
-    }
-}
-
 /// Both corpora replayed once (shared by the tests below).
 fn replayed() -> &'static (Reach, Reach) {
     static REPLAY: OnceLock<(Reach, Reach)> = OnceLock::new();
@@ -149,14 +121,18 @@ fn replayed() -> &'static (Reach, Reach) {
         let mut handshake = Reach::default();
         for (path, bytes) in corpus("nbd_handshake") {
             handshake.files += 1;
-            for s in replay_file(&path, &bytes, fuzzing::check_handshake) {
+            for s in vsan_core::corpus::replay(&path, &bytes, fuzzing::check_handshake) {
                 handshake.add(&s);
             }
         }
         let mut request = Reach::default();
         for (path, bytes) in corpus("nbd_request") {
             request.files += 1;
-            request.add(&replay_file(&path, &bytes, fuzzing::check_request));
+            request.add(&vsan_core::corpus::replay(
+                &path,
+                &bytes,
+                fuzzing::check_request,
+            ));
         }
         eprintln!(
             "replayed {} + {} corpus files in {:?}",

@@ -16,6 +16,8 @@ mod meta_check;
 
 use std::path::{Path, PathBuf};
 
+use vsan_core::corpus::{mutations, replay};
+
 use meta_check::{OpenChoices, Opened};
 use vsan_core::{BlockDevice, ErrorKind, Geometry, MemDevice};
 use vsan_replica::meta::{self, Bitmap, Layout, Superblock};
@@ -29,41 +31,9 @@ fn corpus_root() -> PathBuf {
 /// The files of one target's corpus, sorted by name.
 fn corpus(target: &str) -> Vec<(PathBuf, Vec<u8>)> {
     let dir = corpus_root().join(target);
-    let mut files: Vec<_> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("read {}: {e}", dir.display()))
-        .map(|entry| entry.expect("a corpus entry").path())
-        .filter(|p| p.is_file())
-        .collect();
-    files.sort();
+    let files = vsan_core::corpus::files(&dir);
     assert!(!files.is_empty(), "no corpus in {}", dir.display());
     files
-        .into_iter()
-        .map(|p| {
-            let bytes = std::fs::read(&p).unwrap_or_else(|e| panic!("read {}: {e}", p.display()));
-            (p, bytes)
-        })
-        .collect()
-}
-
-/// `bytes` with a few deterministic changes: one byte flipped at each of `n` places
-/// spread over it (the header of a `meta_open` input among them).
-fn mutations(bytes: &[u8], n: usize) -> impl Iterator<Item = Vec<u8>> + '_ {
-    (0..n.min(bytes.len())).map(move |i| {
-        let mut m = bytes.to_vec();
-        let at = if i < 16 {
-            i * 7 % bytes.len()
-        } else {
-            (i * 7919 + 13) % bytes.len()
-        };
-        m[at] ^= [0x01, 0x80, 0xff][i % 3];
-        m
-    })
-}
-
-/// Runs `check` on `bytes`, naming the file when it fails.
-fn replay<T>(path: &Path, bytes: &[u8], check: impl Fn(&[u8]) -> T) -> T {
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| check(bytes)))
-        .unwrap_or_else(|_| panic!("{} fails its check", path.display()))
 }
 
 #[test]
@@ -74,7 +44,7 @@ fn superblock_corpus() {
         for (d, g) in decoded.iter_mut().zip(got) {
             *d += usize::from(g);
         }
-        for m in mutations(&bytes, 24) {
+        for m in mutations(&bytes, 24, 7) {
             replay(&path, &m, meta_check::check_superblock);
         }
     }
@@ -93,7 +63,7 @@ fn al_corpus() {
         for (d, g) in decoded.iter_mut().zip(got) {
             *d += usize::from(g);
         }
-        for m in mutations(&bytes, 24) {
+        for m in mutations(&bytes, 24, 7) {
             replay(&path, &m, meta_check::check_al);
         }
     }
@@ -115,7 +85,7 @@ fn open_corpus() {
                 refused.insert(format!("{kind:?}"));
             }
         }
-        for m in mutations(&bytes, 8) {
+        for m in mutations(&bytes, 8, 7) {
             replay(&path, &m, meta_check::check_open);
         }
     }

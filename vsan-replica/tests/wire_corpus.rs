@@ -156,20 +156,7 @@ fn fix_crc(buf: &mut [u8]) {
 
 /// The files of one target's corpus, sorted by name.
 fn corpus(target: &str) -> Vec<(PathBuf, Vec<u8>)> {
-    let dir = corpus_root().join(target);
-    let mut files: Vec<_> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("read {}: {e}", dir.display()))
-        .map(|entry| entry.expect("a corpus entry").path())
-        .filter(|p| p.is_file())
-        .collect();
-    files.sort();
-    files
-        .into_iter()
-        .map(|p| {
-            let bytes = std::fs::read(&p).unwrap_or_else(|e| panic!("read {}: {e}", p.display()));
-            (p, bytes)
-        })
-        .collect()
+    vsan_core::corpus::files(&corpus_root().join(target))
 }
 
 #[test]
