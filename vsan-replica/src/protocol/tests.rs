@@ -892,6 +892,34 @@ fn a_detached_node_without_its_peer_fails_writes_and_flushes() {
     assert_eq!(p.n[0].result_of(f), Some(&Err(ErrorKind::Io)));
 }
 
+/// A flush that completes without the peer makes this replica the only one known to
+/// hold those writes durably: its generation moves on, durably, before the flush is
+/// acknowledged, so after a power cut of both nodes the resync takes this copy rather
+/// than the peer's (found by the simulation; `fixed-flush-alone-keeps-generation.patch`).
+#[test]
+fn a_flush_completed_without_the_peer_moves_the_generation_first() {
+    let mut p = Pair::connected();
+    let w = p.write(1, 0, fill(0x42, 512), false);
+    p.run();
+    assert_eq!(p.n[1].result_of(w), Some(&Ok(None)));
+    let before = p.n[1].ep.generations();
+    p.cut();
+    p.n[1].hold_meta = true;
+    let f = p.n[1].ep.submit_flush(p.now);
+    p.pump();
+    p.run_where(|i, io| !(i == 1 && matches!(io, LocalIo::Meta { .. })));
+    assert_eq!(
+        p.n[1].result_of(f),
+        None,
+        "acknowledged before its new generation was durable"
+    );
+    let after = p.n[1].ep.generations();
+    assert_ne!(after.current, before.current, "no new generation");
+    assert_eq!(after.bitmap, before.current);
+    p.run();
+    assert_eq!(p.n[1].result_of(f), Some(&Ok(None)));
+}
+
 #[test]
 fn shutdown_completes_when_the_last_completion_is_an_ack_or_a_flush() {
     let mut p = Pair::connected();
