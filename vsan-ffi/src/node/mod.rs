@@ -32,7 +32,7 @@ use vsan_core::{BlockDevice, ErrorKind, FileOptions, Geometry, MemDevice};
 use vsan_replica::connect::{DiskRegistry, accept_loop_shared, dial_loop};
 use vsan_replica::meta::{self, DEFAULT_CHUNK_SIZE};
 use vsan_replica::protocol::{
-    Config as MirrorConfig, DiskId, QuorumPolicy, ResyncRate, SplitBrainPolicy,
+    Config as MirrorConfig, DiskId, LinkState, QuorumPolicy, ResyncRate, SplitBrainPolicy,
 };
 use vsan_replica::transport::Transport;
 use vsan_replica::transport::tcp::TcpTransport;
@@ -644,6 +644,21 @@ impl Node {
         for disk in &disks {
             match disk.device.flush().await {
                 Ok(()) => info!(disk = %disk.name, "flushed"),
+                Err(_)
+                    if disk.mirror.as_ref().is_some_and(|m| {
+                        let s = m.status();
+                        s.inconsistent && s.link != LinkState::Connected
+                    }) =>
+                {
+                    // An unfinished resync target alone: its replica is not a complete
+                    // copy, so no flush here can make the disk durable (the mirror tells
+                    // callers so), and nothing it holds is the only copy of anything:
+                    // the resync from the peer resumes on the next start.
+                    warn!(
+                        disk = %disk.name,
+                        "not flushed: this replica is an unfinished resync target and the peer is away; the resync resumes on the next start"
+                    );
+                }
                 Err(e) => {
                     error!(disk = %disk.name, "final flush failed: {e}");
                     failed.push(format!("disk {}: final flush failed: {e}", disk.name));
