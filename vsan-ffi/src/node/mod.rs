@@ -642,23 +642,14 @@ impl Node {
         let disks = std::mem::take(&mut *self.shared.disks.write());
         let mut failed = Vec::new();
         for disk in &disks {
+            if let Some(why) = disk.mirror.as_ref().and_then(|m| unflushable(&m.status())) {
+                // The mirror would refuse (or hold) the flush; its close below makes
+                // this replica durable before marking it clean.
+                warn!(disk = %disk.name, "not flushed through the mirror: {why}; closing it flushes this replica");
+                continue;
+            }
             match disk.device.flush().await {
                 Ok(()) => info!(disk = %disk.name, "flushed"),
-                Err(_)
-                    if disk.mirror.as_ref().is_some_and(|m| {
-                        let s = m.status();
-                        s.inconsistent && s.link != LinkState::Connected
-                    }) =>
-                {
-                    // An unfinished resync target alone: its replica is not a complete
-                    // copy, so no flush here can make the disk durable (the mirror tells
-                    // callers so), and nothing it holds is the only copy of anything:
-                    // the resync from the peer resumes on the next start.
-                    warn!(
-                        disk = %disk.name,
-                        "not flushed: this replica is an unfinished resync target and the peer is away; the resync resumes on the next start"
-                    );
-                }
                 Err(e) => {
                     error!(disk = %disk.name, "final flush failed: {e}");
                     failed.push(format!("disk {}: final flush failed: {e}", disk.name));
@@ -1185,4 +1176,20 @@ async fn open_replica(
         meta: dev,
         loaded,
     })
+}
+
+/// Why a mirror cannot take a flush for its callers at shutdown, if it cannot: alone
+/// and an unfinished resync target (no complete copy here), or alone without the
+/// witness's grant (refused or held by the quorum policy).
+fn unflushable(s: &vsan_replica::MirrorStatus) -> Option<&'static str> {
+    if s.link == LinkState::Connected {
+        return None;
+    }
+    if s.inconsistent {
+        Some("the replica is an unfinished resync target and the peer is away")
+    } else if s.quorum == Some(false) || s.suspended {
+        Some("the peer is away and the witness has not granted this node the disk")
+    } else {
+        None
+    }
 }
