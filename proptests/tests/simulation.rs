@@ -1,5 +1,6 @@
 //! The deterministic simulation of a mirrored pair (see `vsan_proptests::sim` for what is
-//! simulated and checked), run over many seeds.
+//! simulated and checked), run over many seeds. A plain program (`harness = false`): it
+//! prints what it ran under a plain `cargo test`, and a failing part panics (exit 101).
 //!
 //! - `seeds`: seeds `SIM_SEED_BASE..+SIM_SEEDS` (default 0..10000) on every core; prints
 //!   how many ran and what they did. With `SOAK=<minutes>` it runs new seeds (from a
@@ -95,7 +96,6 @@ fn report(failures: &[Failure]) -> String {
 /// Seeds run by default.
 const DEFAULT_SEEDS: u64 = 10_000;
 
-#[test]
 fn seeds() {
     let started = Instant::now();
     let (totals, failures, what) = if let Some(minutes) = env_u64("SOAK") {
@@ -140,7 +140,6 @@ fn seeds() {
     );
 }
 
-#[test]
 fn replay() {
     let (seed, print) = match env_u64("SIM_SEED") {
         Some(s) => (s, true),
@@ -174,7 +173,6 @@ const REGRESSIONS: &[(u64, &str)] = &[
     (28966, "fixed-resent-write-not-marked"),
 ];
 
-#[test]
 fn regressions() {
     for &(seed, patch) in REGRESSIONS {
         if let Err(f) = sim::run(seed) {
@@ -183,7 +181,6 @@ fn regressions() {
     }
 }
 
-#[test]
 fn a_lying_disk_is_caught() {
     let next = AtomicU64::new(0);
     let (totals, failures) = run_seeds(&next, &|s| s < 3000, Sabotage::LyingFlush);
@@ -198,4 +195,34 @@ fn a_lying_disk_is_caught() {
     if let Err(honest) = sim::run(f.seed) {
         panic!("seed {} also fails without the sabotage: {honest}", f.seed);
     }
+}
+
+/// The parts of this binary, by name.
+const PARTS: [(&str, fn()); 4] = [
+    ("seeds", seeds),
+    ("replay", replay),
+    ("regressions", regressions),
+    ("a_lying_disk_is_caught", a_lying_disk_is_caught),
+];
+
+/// A plain `main` (`harness = false` in Cargo.toml), so the seed count and totals are
+/// printed under a plain `cargo test` (the test harness would capture them). Arguments
+/// that do not start with `-` select parts by substring, as test filters do; options
+/// cargo passes (`--nocapture`, `--quiet`, ...) are ignored.
+fn main() {
+    let filters: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    let mut ran = 0;
+    for (name, part) in PARTS {
+        if !filters.is_empty() && !filters.iter().any(|f| name.contains(f.as_str())) {
+            continue;
+        }
+        println!("simulation: {name} ...");
+        part();
+        println!("simulation: {name} ok");
+        ran += 1;
+    }
+    println!("simulation: {ran} part(s) passed");
 }
