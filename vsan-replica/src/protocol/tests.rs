@@ -121,7 +121,7 @@ pub(super) struct Pair {
 }
 
 impl Pair {
-    fn new() -> Pair {
+    pub(super) fn new() -> Pair {
         let now = Instant::now();
         Pair {
             now,
@@ -130,7 +130,7 @@ impl Pair {
     }
 
     /// A pair that has completed its handshake.
-    fn connected() -> Pair {
+    pub(super) fn connected() -> Pair {
         let mut p = Pair::new();
         p.connect();
         p.run();

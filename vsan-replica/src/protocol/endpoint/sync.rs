@@ -1063,3 +1063,60 @@ impl Endpoint {
             && self.alone() == Alone::Hold
     }
 }
+
+#[cfg(test)]
+mod remark_tests {
+    use super::*;
+    use crate::protocol::tests::{Pair, fill};
+
+    /// A chunk marked again (a write the peer does not hold) after the target
+    /// acknowledged its copy, while the checkpoint that clears it is on the wire, must
+    /// stay marked: the copy is stale. Found by the simulation (seed 38879 at 2e22484;
+    /// `fixed-remarked-chunk-cleared.patch` reverts the fix).
+    #[test]
+    fn a_chunk_marked_again_during_a_resync_is_not_cleared_by_the_checkpoint() {
+        let mut p = Pair::connected();
+        p.cut();
+        let w = p.write(0, 0, fill(0x5a, 512), false);
+        p.run();
+        assert_eq!(p.n[0].result_of(w), Some(&Ok(None)));
+        p.connect();
+        // Step until node 0, the source, has a checkpoint on the wire.
+        let mut guard = 0;
+        while !p.n[0]
+            .ep
+            .sync
+            .as_ref()
+            .is_some_and(|s| s.role == SyncRole::Source && s.checkpoint.is_some())
+        {
+            let next = p.steps();
+            assert!(!next.is_empty() && guard < 10_000, "no checkpoint was sent");
+            p.step(next[0]);
+            guard += 1;
+        }
+        let chunk_len = p.n[0].ep.meta.layout.chunk_size();
+        p.n[0]
+            .ep
+            .mark_unmirrored(Range::new(0, chunk_len.min(512)), false);
+        // Let the checkpoint's ack arrive, and nothing else happen on node 0 after it.
+        while p.n[0]
+            .ep
+            .sync
+            .as_ref()
+            .is_some_and(|s| s.checkpoint.is_some())
+        {
+            let next = p.steps();
+            assert!(!next.is_empty(), "the checkpoint was never answered");
+            p.step(next[0]);
+        }
+        assert!(
+            p.n[0].ep.meta.bitmap.get(0),
+            "the checkpoint cleared a chunk marked after its copy was acknowledged"
+        );
+        p.run();
+        assert!(
+            p.n[0].ep.sync.is_some() && p.n[0].ep.dirty_chunks() == 1,
+            "the resync ended with the chunk marked again uncopied"
+        );
+    }
+}
