@@ -2356,12 +2356,16 @@ impl Endpoint {
         }
     }
 
+    /// Whether the peer's replica is a complete copy: it reported no failure on this
+    /// link, and it is not the target of a resync from this node.
+    fn peer_holds_all(&self) -> bool {
+        !self.peer_incomplete
+            && !matches!(&self.sync, Some(s) if s.role == SyncRole::Source && s.kind != SyncKind::Verify)
+    }
+
     fn local_failed(&mut self, now: Instant, kind: ErrorKind) {
         if !self.detached && !self.meta.failed {
-            let peer_complete = self.state == LinkState::Connected
-                && !self.peer_incomplete
-                && !matches!(&self.sync, Some(s) if s.role == SyncRole::Source && s.kind != SyncKind::Verify);
-            if peer_complete {
+            if self.state == LinkState::Connected && self.peer_holds_all() {
                 // Writes from now on reach the peer only: a restart must not trust the
                 // replica (its disk may work again, with old data), so it is marked,
                 // durably, for a full resync. The peer learns its copy is the only one.
@@ -2692,9 +2696,7 @@ impl Endpoint {
         // Durable on a complete copy: this replica if it is not an unfinished sync
         // target, or the peer's if it is not one (of this node) and took everything.
         let local_counts = local.is_ok() && !self.meta.sb.inconsistent;
-        let peer_counts = remote == Some(Status::Ok)
-            && !self.peer_incomplete
-            && !matches!(&self.sync, Some(s) if s.role == SyncRole::Source && s.kind != SyncKind::Verify);
+        let peer_counts = remote == Some(Status::Ok) && self.peer_holds_all();
         let result = match local {
             _ if local_counts || peer_counts => Ok(None),
             Err(k) => Err(k),
