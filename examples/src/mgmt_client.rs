@@ -337,6 +337,14 @@ pub fn disk_json(s: &v1::DiskStatus) -> Value {
         "suspended": s.suspended,
         "last_problem": text_or_null(&s.last_problem),
         "local_data_lost": s.local_data_lost,
+        "freshness": text_or_null(&s.freshness),
+        "freshness_proof": text_or_null(&s.freshness_proof),
+        "awaiting": text_or_null(&s.awaiting),
+        "unproven_since_unix_ms": if s.unproven_since_unix_ms > 0 {
+            json!(s.unproven_since_unix_ms)
+        } else {
+            Value::Null
+        },
         "cache": s.cache.as_ref().map_or(Value::Null, |c| json!({
             "mode": cache_mode_word(c.mode),
             "state": c.state,
@@ -398,8 +406,28 @@ fn sync_cell(s: &v1::DiskStatus) -> String {
     }
 }
 
+/// How long ago `unix_ms` was, in seconds (0 for a time not in the past).
+fn seconds_since(unix_ms: u64) -> u64 {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    now.saturating_sub(unix_ms) / 1000
+}
+
+/// The SERVING column: whether the local replica is proven current and served.
+fn serving_cell(s: &v1::DiskStatus) -> String {
+    match s.freshness.as_str() {
+        "unproven" => format!(
+            "no: unproven {}",
+            human_secs(seconds_since(s.unproven_since_unix_ms))
+        ),
+        "current" => format!("yes ({})", s.freshness_proof),
+        _ => "yes".into(),
+    }
+}
+
 /// The table's header and one row per disk.
-pub fn status_rows(disks: &[v1::DiskStatus]) -> Vec<[String; 9]> {
+pub fn status_rows(disks: &[v1::DiskStatus]) -> Vec<[String; 10]> {
     let mut rows = vec![
         [
             "DISK",
@@ -407,6 +435,7 @@ pub fn status_rows(disks: &[v1::DiskStatus]) -> Vec<[String; 9]> {
             "LINK",
             "TRANSPORT",
             "LOCAL",
+            "SERVING",
             "SYNC",
             "CACHE",
             "QUORUM",
@@ -462,6 +491,7 @@ pub fn status_rows(disks: &[v1::DiskStatus]) -> Vec<[String; 9]> {
             link,
             transport,
             s.local_state.clone(),
+            serving_cell(s),
             sync_cell(s),
             cache,
             quorum,
@@ -520,6 +550,16 @@ pub fn summary_sentence(l: &v1::SyncSummary) -> String {
 /// What the table leaves out, for one disk: its last pass, problem and generations.
 pub fn status_details(s: &v1::DiskStatus) -> String {
     let mut out = String::new();
+    if s.freshness == "unproven" {
+        out += &format!(
+            "freshness:    UNPROVEN for {}: nothing is served from this replica (requests \
+             wait) until {}\n",
+            human_secs(seconds_since(s.unproven_since_unix_ms)),
+            s.awaiting
+        );
+    } else if s.freshness == "current" {
+        out += &format!("freshness:    current (proved by: {})\n", s.freshness_proof);
+    }
     if let Some(l) = &s.last_sync {
         out += &format!("last sync:    {}\n", summary_sentence(l));
     }
@@ -561,6 +601,8 @@ mod tests {
             quorum: "none".into(),
             nbd: "127.0.0.1:10809".into(),
             nbd_clients: 1,
+            freshness: "current".into(),
+            freshness_proof: "handshake".into(),
             generations: Some(v1::Generations {
                 current: u64::MAX,
                 bitmap: 0,
@@ -655,7 +697,17 @@ mod tests {
             dirty_bytes: 1 << 20,
             ..Default::default()
         });
-        let t = format_table(&status_rows(&[connected(), other]));
+        other.freshness = "unproven".into();
+        other.freshness_proof.clear();
+        other.awaiting = "the peer's handshake or an operator's declare-current".into();
+        other.unproven_since_unix_ms = 1;
+        let t = format_table(&status_rows(&[connected(), other.clone()]));
+        assert!(
+            status_details(&other).contains("UNPROVEN")
+                && status_details(&other).contains("declare-current"),
+            "{}",
+            status_details(&other)
+        );
         let lines: Vec<&str> = t.lines().collect();
         assert_eq!(lines.len(), 3, "{t}");
         assert!(lines[0].starts_with("DISK "), "{t}");
@@ -669,6 +721,8 @@ mod tests {
             "{t}"
         );
         assert!(lines[2].contains("write-back, 1 MiB dirty"), "{t}");
+        assert!(lines[1].contains("yes (handshake)"), "{t}");
+        assert!(lines[2].contains("no: unproven"), "{t}");
         // Columns start at the same place on every line.
         let at = lines[0].find("LINK").unwrap();
         assert_eq!(&lines[1][at..at + 9], "connected");

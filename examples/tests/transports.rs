@@ -273,7 +273,9 @@ fn mirror_with_rdma_requested_falls_back_to_tcp() {
 
 // ----- refusals -----
 
-/// Node 2 still serves its own client: a write and a read back through its export.
+/// A refused node still serves its own client (alone, as its `serve_alone` startup
+/// policy lets it once the peer timeout passes): a write and a read back through its
+/// export.
 fn still_serves(n: &common::Node) {
     if !require_tool("qemu-io") {
         return;
@@ -285,8 +287,12 @@ fn still_serves(n: &common::Node) {
 
 #[test]
 fn a_wrong_shared_secret_is_refused_on_both_sides() {
-    let s1 = side(1).transport("tcp", "secret = \"one secret\"\n");
-    let s2 = side(2).transport("tcp", "secret = \"another secret\"\n");
+    let s1 = side(1)
+        .transport("tcp", "secret = \"one secret\"\n")
+        .serve_alone();
+    let s2 = side(2)
+        .transport("tcp", "secret = \"another secret\"\n")
+        .serve_alone();
     let pair = start_pair_with("tr-badsecret", &s1, &s2, |_, _| {});
     pair.n1
         .wait_log("peer authentication failed", EVENT_TIMEOUT);
@@ -304,12 +310,15 @@ fn a_wrong_certificate_is_refused_on_both_sides() {
     let dir1 = TestDir::new("tr-badcert-n1");
     let dir2 = TestDir::new("tr-badcert-n2");
     let (_, s2) = quic_sides(&dir1, &dir2);
+    let s2 = s2.serve_alone();
     // Node 1 pins a certificate node 2 does not have.
     let other = Identity::generate("someone-else").expect("identity");
-    let s1 = side(1).transport(
-        "quic",
-        &format!("peer_fingerprint = \"{}\"\n", other.fingerprint()),
-    );
+    let s1 = side(1)
+        .transport(
+            "quic",
+            &format!("peer_fingerprint = \"{}\"\n", other.fingerprint()),
+        )
+        .serve_alone();
     let n2 = start_acceptor(&dir2, &s2, "127.0.0.1:0");
     let n1 = start_dialer(&dir1, &s1, n2.replication());
     n1.wait_log("is not the pinned", EVENT_TIMEOUT);
@@ -329,6 +338,7 @@ fn plaintext_clients_on_the_quic_port_are_refused() {
     let dir1 = TestDir::new("tr-plain-n1");
     let dir2 = TestDir::new("tr-plain-n2");
     let (_, s2) = quic_sides(&dir1, &dir2);
+    let s2 = s2.serve_alone();
     let n2 = start_acceptor(&dir2, &s2, "127.0.0.1:0");
     let addr = n2.replication().to_string();
     // A node configured for plain tcp dials the QUIC port.

@@ -20,7 +20,10 @@
 //! peer may lack) and whether it *crashed* (a clean close of a node whose replica is
 //! detached counts: its metadata cannot be marked clean). A node **serves** I/O when its
 //! replica is usable (neither failing nor distrusted) or when the link is up and the
-//! peer's is.
+//! peer's is, and its replica is proven current: a node restarted while the link is cut
+//! is *unproven* (it serves nothing, and reads nothing from its replica) until the link
+//! is back, unless it had written alone since the cut (its metadata says the peer is
+//! behind).
 //!
 //! When the link comes back, one view becomes the state of both, as the generation rules
 //! of `vsan_replica::protocol::generations` decide — stated here from what the test did,
@@ -540,6 +543,10 @@ struct Model {
     /// The node crashed while its replica could not be read: what survived is checked
     /// once it can be.
     torn_pending: [bool; 2],
+    /// Restarted while apart, and not linked since, without having written alone since
+    /// the link was cut (or with a distrusted replica): its replica is not proven
+    /// current, so it serves nothing (requests wait the connect timeout, then fail).
+    unproven: [bool; 2],
 }
 
 impl Model {
@@ -555,6 +562,7 @@ impl Model {
             distrusted: [false; 2],
             alone_failed: [false; 2],
             torn_pending: [false; 2],
+            unproven: [false; 2],
         }
     }
 
@@ -563,14 +571,20 @@ impl Model {
     }
 
     fn serves(&self, n: usize) -> bool {
-        self.usable(n) || (self.linked && self.usable(1 - n))
+        !self.unproven[n] && (self.usable(n) || (self.linked && self.usable(1 - n)))
     }
 
     fn state(&self) -> String {
         format!(
             "linked {}, failing {:?}, distrusted {:?}, failed alone {:?}, wrote {:?}, \
-             crashed {:?}",
-            self.linked, self.failing, self.distrusted, self.alone_failed, self.wrote, self.crashed
+             crashed {:?}, unproven {:?}",
+            self.linked,
+            self.failing,
+            self.distrusted,
+            self.alone_failed,
+            self.wrote,
+            self.crashed,
+            self.unproven
         )
     }
 
@@ -844,8 +858,14 @@ impl Cluster {
                 .await?;
         }
         self.nodes[n].start().await?;
+        // Apart, a restarted node is proven current only by its own metadata: it went on
+        // alone since the link was cut (and its replica is not distrusted).
+        self.model.unproven[n] =
+            !self.model.linked && (!self.model.wrote[n] || self.model.distrusted[n]);
         if self.model.linked {
             self.link().await?;
+        } else if self.model.unproven[n] {
+            // It reads nothing from its replica, so it cannot notice a failing one yet.
         } else if self.model.failing[n] && !self.model.distrusted[n] {
             // Apart, a restarted node notices its failing replica at its first request
             // (a distrusted one it never reads).
@@ -1040,14 +1060,19 @@ impl Cluster {
         self.model.wrote = [false; 2];
         self.model.crashed = [false; 2];
         self.model.torn_pending = [false; 2];
+        self.model.unproven = [false; 2];
         self.link().await?;
         self.settle().await?;
         Ok(true)
     }
 
     async fn fail_local(&mut self, n: usize) -> Result<bool, String> {
-        if self.model.failing[n] || (self.model.linked && !self.model.usable(1 - n)) {
-            // Linked, nothing could serve the disk.
+        if self.model.failing[n]
+            || (self.model.linked && !self.model.usable(1 - n))
+            || self.model.unproven[n]
+        {
+            // Linked, nothing could serve the disk; or the node serves nothing yet and
+            // would not notice.
             return Ok(false);
         }
         let alone = !self.model.linked && self.model.usable(n);
@@ -1076,7 +1101,14 @@ impl Cluster {
         }
         self.nodes[n].data.clear_faults();
         self.model.failing[n] = false;
-        if self.model.alone_failed[n] {
+        if self.model.alone_failed[n] && self.model.unproven[n] {
+            // Restarted since it failed, and unproven: it never noticed (it read nothing
+            // from the replica), so there is nothing to attach; it missed nothing.
+            self.model.alone_failed[n] = false;
+            if std::mem::take(&mut self.model.torn_pending[n]) {
+                self.check_crash_state(n).await?;
+            }
+        } else if self.model.alone_failed[n] {
             // It missed nothing: taken back as it is, link or no link.
             let disk = self.disk(n);
             let r = self.within(n, "attach_local", disk.attach_local()).await?;
@@ -1102,7 +1134,18 @@ impl Cluster {
                 n + 1
             ));
         }
-        let img = self.image(n).await?;
+        let img = if self.model.unproven[n] {
+            // It serves nothing yet, and writes nothing to its replica: what it will
+            // serve once proven is what the replica holds now.
+            self.nodes[n]
+                .data
+                .inner()
+                .read(0, SIZE as usize)
+                .await
+                .map_err(|e| format!("reading node {}'s replica: {e}", n + 1))?
+        } else {
+            self.image(n).await?
+        };
         if self.trace {
             let lost = img
                 .chunks(BS as usize)

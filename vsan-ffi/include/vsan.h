@@ -108,6 +108,29 @@
 // `cache_state`: the cache was closed.
 #define VSAN_CACHE_STATE_CLOSED 3
 
+// `vsan_disk_status.proof`: the replica is not proven current yet (nothing is served
+// from it; requests wait for the proof).
+#define VSAN_PROOF_NONE 0
+
+// `proof`: the handshake with the peer compared generations.
+#define VSAN_PROOF_HANDSHAKE 1
+
+// `proof`: the witness granted this node the disk.
+#define VSAN_PROOF_WITNESS 2
+
+// `proof`: an operator declared the replica current.
+#define VSAN_PROOF_OPERATOR 3
+
+// `proof`: its metadata says this node went on alone before it stopped.
+#define VSAN_PROOF_ONLY_WRITER 4
+
+// `proof`: the peer stayed away past the timeout and the startup policy is
+// serve-alone-after-timeout.
+#define VSAN_PROOF_STARTUP_TIMEOUT 5
+
+// `proof` of a disk that is not mirrored: it is its only copy.
+#define VSAN_PROOF_LOCAL 6
+
 // Length of `vsan_disk_status.transport`, NUL included.
 #define VSAN_TRANSPORT_LEN 32
 
@@ -208,6 +231,12 @@ typedef struct {
   uint64_t cache_log_bytes;
   // Bytes destaged to the backing store so far.
   uint64_t cache_destaged_bytes;
+  // What proved the local replica current since the node started: one of
+  // `VSAN_PROOF_*`; `VSAN_PROOF_NONE` while it is unproven (nothing is served from
+  // it: requests wait, bounded by the peer timeout, and never get stale data).
+  uint32_t proof;
+  // While unproven: since when, in milliseconds since the Unix epoch (0 otherwise).
+  uint64_t unproven_since_ms;
 } vsan_disk_status;
 
 // A completion callback: `userdata` as given at submission, the I/O's result
@@ -447,6 +476,19 @@ vsan_result vsan_disk_verify(vsan_disk *disk);
 // # Safety
 // `disk` must be a handle (checked).
 vsan_result vsan_disk_discard_my_data(vsan_disk *disk);
+
+// Declare this node's unproven replica current (an operator's decision): it serves
+// alone, degraded, until the peer connects; logged as a risk. Only for a node whose
+// peer is known to be behind: writes the peer acknowledged alone are not here, and the
+// replicas split. `VSAN_ERR_NOT_SUPPORTED` for a disk without a peer,
+// `VSAN_ERR_INVALID_ARGUMENT` (with the reason in `vsan_last_error_message`) when the
+// replica is proven already, is an unfinished sync target, or a handshake is deciding.
+//
+// Thread-safe. Blocking: not from a completion callback.
+//
+// # Safety
+// `disk` must be a handle (checked).
+vsan_result vsan_disk_declare_current(vsan_disk *disk);
 
 // Switch a cached disk's cache mode (`VSAN_CACHE_WRITE_BACK`, `_WRITE_THROUGH`,
 // `_WRITE_AROUND`, `_PASS_THROUGH`); leaving write-back destages what the cache holds

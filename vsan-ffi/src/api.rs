@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use tracing::warn;
 use vsan_cache::{CacheMode, CacheState};
-use vsan_replica::protocol::{LinkState, SyncKind, SyncRole};
+use vsan_replica::protocol::{Freshness, LinkState, Proof, SyncKind, SyncRole};
 
 use crate::handles::{self, DiskObj, NodeObj, vsan_disk, vsan_node};
 use crate::node::config::Config;
@@ -76,6 +76,23 @@ pub const VSAN_CACHE_STATE_RUNNING: u32 = 1;
 pub const VSAN_CACHE_STATE_FAILED: u32 = 2;
 /// `cache_state`: the cache was closed.
 pub const VSAN_CACHE_STATE_CLOSED: u32 = 3;
+
+/// `vsan_disk_status.proof`: the replica is not proven current yet (nothing is served
+/// from it; requests wait for the proof).
+pub const VSAN_PROOF_NONE: u32 = 0;
+/// `proof`: the handshake with the peer compared generations.
+pub const VSAN_PROOF_HANDSHAKE: u32 = 1;
+/// `proof`: the witness granted this node the disk.
+pub const VSAN_PROOF_WITNESS: u32 = 2;
+/// `proof`: an operator declared the replica current.
+pub const VSAN_PROOF_OPERATOR: u32 = 3;
+/// `proof`: its metadata says this node went on alone before it stopped.
+pub const VSAN_PROOF_ONLY_WRITER: u32 = 4;
+/// `proof`: the peer stayed away past the timeout and the startup policy is
+/// serve-alone-after-timeout.
+pub const VSAN_PROOF_STARTUP_TIMEOUT: u32 = 5;
+/// `proof` of a disk that is not mirrored: it is its only copy.
+pub const VSAN_PROOF_LOCAL: u32 = 6;
 
 /// Length of `vsan_disk_status.transport`, NUL included.
 pub const VSAN_TRANSPORT_LEN: usize = 32;
@@ -155,6 +172,12 @@ pub struct vsan_disk_status {
     pub cache_log_bytes: u64,
     /// Bytes destaged to the backing store so far.
     pub cache_destaged_bytes: u64,
+    /// What proved the local replica current since the node started: one of
+    /// `VSAN_PROOF_*`; `VSAN_PROOF_NONE` while it is unproven (nothing is served from
+    /// it: requests wait, bounded by the peer timeout, and never get stale data).
+    pub proof: u32,
+    /// While unproven: since when, in milliseconds since the Unix epoch (0 otherwise).
+    pub unproven_since_ms: u64,
 }
 
 /// Turn on the library's log (to stderr) when the environment variable `VSAN_LOG` is set
@@ -517,6 +540,8 @@ pub(crate) fn status_of(d: &DiskObj) -> vsan_disk_status {
         cache_dirty_bytes: 0,
         cache_log_bytes: 0,
         cache_destaged_bytes: 0,
+        proof: VSAN_PROOF_LOCAL,
+        unproven_since_ms: 0,
     };
     if let Some(m) = &d.disk.mirror {
         let st = m.status();
@@ -542,6 +567,18 @@ pub(crate) fn status_of(d: &DiskObj) -> vsan_disk_status {
         s.dirty_chunks = st.dirty_chunks;
         s.generation = st.generations.current;
         s.local_data_lost = st.local_data_lost;
+        s.proof = match st.freshness {
+            Freshness::Unproven { .. } => VSAN_PROOF_NONE,
+            Freshness::Current(Proof::Handshake) => VSAN_PROOF_HANDSHAKE,
+            Freshness::Current(Proof::Witness) => VSAN_PROOF_WITNESS,
+            Freshness::Current(Proof::Operator) => VSAN_PROOF_OPERATOR,
+            Freshness::Current(Proof::OnlyWriter) => VSAN_PROOF_ONLY_WRITER,
+            Freshness::Current(Proof::StartupTimeout) => VSAN_PROOF_STARTUP_TIMEOUT,
+        };
+        s.unproven_since_ms = st.unproven_since.map_or(0, |t| {
+            t.duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64)
+        });
         if let Some(start) = st.last_sync_start {
             s.sync_kind = sync_kind_code(start.kind);
             s.sync_role = role_code(start.role);
@@ -705,6 +742,32 @@ pub unsafe extern "C" fn vsan_disk_discard_my_data(disk: *mut vsan_disk) -> crat
         let _in = d.node.enter()?;
         mirror_of(&d)?.discard_my_data();
         Ok(())
+    })
+}
+
+/// Declare this node's unproven replica current (an operator's decision): it serves
+/// alone, degraded, until the peer connects; logged as a risk. Only for a node whose
+/// peer is known to be behind: writes the peer acknowledged alone are not here, and the
+/// replicas split. `VSAN_ERR_NOT_SUPPORTED` for a disk without a peer,
+/// `VSAN_ERR_INVALID_ARGUMENT` (with the reason in `vsan_last_error_message`) when the
+/// replica is proven already, is an unfinished sync target, or a handshake is deciding.
+///
+/// Thread-safe. Blocking: not from a completion callback.
+///
+/// # Safety
+/// `disk` must be a handle (checked).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn vsan_disk_declare_current(disk: *mut vsan_disk) -> crate::vsan_result {
+    call("vsan_disk_declare_current", || {
+        let d = handles::disk(disk)?;
+        not_in_callback()?;
+        let mirror = mirror_of(&d)?.clone();
+        let _in = d.node.enter()?;
+        d.node
+            .handle
+            .block_on(mirror.declare_current())
+            .map(|_| ())
+            .map_err(core_failure)
     })
 }
 

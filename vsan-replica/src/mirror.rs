@@ -23,7 +23,7 @@ use std::collections::VecDeque;
 use crate::protocol::fastmap::FastMap;
 use std::sync::Arc;
 use std::task::Poll;
-use std::time::Instant;
+use std::time::{Instant, SystemTime};
 
 use bytes::Bytes;
 use futures_util::stream::{FuturesUnordered, StreamExt};
@@ -33,8 +33,8 @@ use vsan_core::{BlockDevice, Error, ErrorKind, Geometry, IoFlags, IoFuture, Op, 
 
 use crate::meta::{self, Loaded, MetaParams};
 use crate::protocol::{
-    Config, Endpoint, Event, Generations, LinkState, LocalIo, LocalOpId, LocalResult, Message,
-    RequestId, ResyncRate, SyncKind, SyncProgress, SyncRole, SyncSummary, WritePayload,
+    Config, Endpoint, Event, Freshness, Generations, LinkState, LocalIo, LocalOpId, LocalResult,
+    Message, RequestId, ResyncRate, SyncKind, SyncProgress, SyncRole, SyncSummary, WritePayload,
 };
 use crate::transport::{Link, LinkRx, LinkTx};
 use crate::witness::WitnessClient;
@@ -89,6 +89,7 @@ enum Operator {
     SetRate(ResyncRate),
     DetachLocal,
     AttachLocal,
+    DeclareCurrent,
 }
 
 /// What the driver asks of its witness worker, in order.
@@ -187,6 +188,12 @@ pub struct MirrorStatus {
     /// (its [`BlockDevice::data_loss_count`] grew) since this disk started; each time it
     /// was resynced from the peer or detached (see `last_problem`).
     pub local_data_lost: u64,
+    /// Whether the local replica is proven current since this disk started: while it is
+    /// [`Freshness::Unproven`], nothing is served from it (requests wait for the proof,
+    /// bounded by the connect timeout, and never get stale data).
+    pub freshness: Freshness,
+    /// While unproven: since when (the disk's start).
+    pub unproven_since: Option<SystemTime>,
 }
 
 /// A resync or verify that started.
@@ -224,9 +231,12 @@ impl std::fmt::Debug for MirroredDisk {
 
 impl MirroredDisk {
     /// Mirror `replica` with the peer described by `cfg`; spawns the driver on the
-    /// current tokio runtime. The disk serves I/O at once; writes wait for the first link
-    /// (up to `cfg.connect_timeout`) and then go on alone (or as quorum says, when
-    /// `witness` is given and `cfg.quorum` is set).
+    /// current tokio runtime. Requests are accepted at once, but nothing is served from
+    /// the replica until it is proven current ([`MirrorStatus::freshness`]): by the
+    /// handshake with the peer, the witness's grant (when `witness` is given and
+    /// `cfg.quorum` is set), [`MirroredDisk::declare_current`], or `cfg.startup`'s
+    /// policy once `cfg.connect_timeout` passes; a replica whose metadata says it went on
+    /// alone before it stopped serves at once.
     pub fn start(
         cfg: Config,
         replica: Replica,
@@ -277,7 +287,14 @@ impl MirroredDisk {
         // A replica that lost data before the mirror started is no more trusted than one
         // that loses it later: the first turn sees the count above 0 and resyncs it.
         let data_loss_base = 0;
-        let (status_tx, status) = watch::channel(status_of(&endpoint, false, None, None, None, 0));
+        let started = SystemTime::now();
+        let (status_tx, status) = watch::channel(status_of(
+            &endpoint,
+            Observed {
+                started,
+                ..Observed::default()
+            },
+        ));
         let progress = Arc::new(parking_lot::Mutex::new(None));
         let (quorum_tx, quorum_rx) = mpsc::unbounded_channel();
         let witness_tx = witness.map(|w| {
@@ -309,6 +326,7 @@ impl MirroredDisk {
             last_problem: None,
             data_loss_base,
             data_loss_seen: data_loss_base,
+            started,
             #[cfg(feature = "failpoints")]
             points,
         };
@@ -392,6 +410,16 @@ impl MirroredDisk {
     /// not synced yet through the peer. Needs the peer connected.
     pub async fn attach_local(&self) -> Result<String> {
         self.operate(Operator::AttachLocal).await
+    }
+
+    /// The operator's word that this node's unproven replica is current: it serves
+    /// alone (degraded) until the peer connects, logged as a risk. Only for a node whose
+    /// peer is known to be behind (or gone for good): writes the peer acknowledged
+    /// alone are not here, and the replicas split. Refused when the replica is proven
+    /// already, is an unfinished sync target, or a handshake is deciding. With a witness
+    /// the quorum policy still decides whether it may serve alone.
+    pub async fn declare_current(&self) -> Result<String> {
+        self.operate(Operator::DeclareCurrent).await
     }
 
     /// Finish in-flight requests, flush, mark the metadata clean (so a restart does not
@@ -515,14 +543,39 @@ impl BlockDevice for MirroredDisk {
 type LocalFuture =
     std::pin::Pin<Box<dyn std::future::Future<Output = (LocalOpId, LocalResult)> + Send>>;
 
-fn status_of(
-    ep: &Endpoint,
+/// What the driver knows beside the endpoint, for the status.
+struct Observed {
     syncing: bool,
     link_transport: Option<Arc<str>>,
     last_problem: Option<String>,
     last_sync_start: Option<SyncStart>,
     local_data_lost: u64,
-) -> MirrorStatus {
+    started: SystemTime,
+}
+
+impl Default for Observed {
+    fn default() -> Observed {
+        Observed {
+            syncing: false,
+            link_transport: None,
+            last_problem: None,
+            last_sync_start: None,
+            local_data_lost: 0,
+            started: SystemTime::UNIX_EPOCH,
+        }
+    }
+}
+
+fn status_of(ep: &Endpoint, o: Observed) -> MirrorStatus {
+    let Observed {
+        syncing,
+        link_transport,
+        last_problem,
+        last_sync_start,
+        local_data_lost,
+        started,
+    } = o;
+    let freshness = ep.freshness();
     MirrorStatus {
         link: ep.state(),
         link_attached: link_transport.is_some(),
@@ -539,6 +592,8 @@ fn status_of(
         quorum: ep.has_quorum(),
         suspended: ep.quorum_suspended(),
         local_data_lost,
+        freshness,
+        unproven_since: (!freshness.is_current()).then_some(started),
     }
 }
 
@@ -577,6 +632,8 @@ struct Driver {
     /// looked.
     data_loss_base: u64,
     data_loss_seen: u64,
+    /// When this disk started (an unproven replica is unproven since then).
+    started: SystemTime,
     /// Where this driver's fail points fire (see [`crate::failpoints`]).
     #[cfg(feature = "failpoints")]
     points: crate::failpoints::Site,
@@ -775,6 +832,7 @@ impl Driver {
                     Operator::SetRate(rate) => Ok(self.ep.set_resync_rate(now, rate)),
                     Operator::DetachLocal => self.ep.detach_local(),
                     Operator::AttachLocal => self.ep.attach_local(now),
+                    Operator::DeclareCurrent => self.ep.declare_current(now),
                 };
                 self.operator_replies.push((done, r));
             }
@@ -973,11 +1031,14 @@ impl Driver {
         }
         let now = status_of(
             &self.ep,
-            progress.is_some(),
-            self.tx.as_ref().map(|_| Arc::clone(&self.link_transport)),
-            self.last_problem.clone(),
-            self.last_sync_start,
-            self.data_loss_seen - self.data_loss_base,
+            Observed {
+                syncing: progress.is_some(),
+                link_transport: self.tx.as_ref().map(|_| Arc::clone(&self.link_transport)),
+                last_problem: self.last_problem.clone(),
+                last_sync_start: self.last_sync_start,
+                local_data_lost: self.data_loss_seen - self.data_loss_base,
+                started: self.started,
+            },
         );
         self.status.send_if_modified(|s| {
             if *s != now {

@@ -21,10 +21,15 @@ use tokio::net::{TcpSocket, TcpStream};
 use tokio::sync::watch;
 use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::{sleep, timeout};
-use vsan_core::{BlockDevice, FaultConfig, FaultyDevice, Geometry, IoFlags, MemDevice, PowerCut};
+use vsan_core::{
+    BlockDevice, ErrorKind, FaultConfig, FaultyDevice, Geometry, IoFlags, MemDevice, PowerCut,
+};
 use vsan_replica::connect::{accept_loop, dial_loop};
 use vsan_replica::meta::{self, DEFAULT_CHUNK_SIZE};
-use vsan_replica::protocol::{Config, DiskId, LinkState, ResyncRate, SyncKind, SyncRole};
+use vsan_replica::protocol::{
+    Awaiting, Config, DiskId, Freshness, LinkState, Proof, ResyncRate, StartupPolicy, SyncKind,
+    SyncRole,
+};
 use vsan_replica::transport::{TcpTransport, Transport};
 use vsan_replica::{MirrorStatus, MirroredDisk, Replica, SyncStart, meta_params};
 
@@ -1160,12 +1165,15 @@ async fn writes_before_the_peer_is_up_wait_and_complete_mirrored() {
     }
 }
 
-/// When the peer never comes, waiting writes complete alone after the connect timeout
-/// (degraded), not before and not much later.
+/// When the peer never comes and the startup policy opts in to serving alone, waiting
+/// writes complete alone after the connect timeout (degraded), not before and not much
+/// later.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn writes_complete_alone_when_the_peer_never_comes() {
+async fn writes_complete_alone_when_the_peer_never_comes_and_serving_alone_is_opted_in() {
     let m1 = mem(MIB);
-    let d1 = start(config(1, MIB, DISK_ID, PEER_TIMEOUT), m1.clone()).await;
+    let mut cfg = config(1, MIB, DISK_ID, PEER_TIMEOUT);
+    cfg.startup = StartupPolicy::ServeAloneAfterTimeout;
+    let d1 = start(cfg, m1.clone()).await;
     dial(&d1, &free_addr());
     let began = Instant::now();
     let x = Bytes::from(vec![0x42; 4096]);
@@ -1187,7 +1195,59 @@ async fn writes_complete_alone_when_the_peer_never_comes() {
     })
     .await;
     assert!(problem_contains(&s, "did not connect"), "node 1: {s:?}");
+    assert_eq!(s.freshness, Freshness::Current(Proof::StartupTimeout));
     assert_eq!(read(&d1, 0, 4096).await, x);
+}
+
+/// When the peer never comes and the startup policy is the default (wait for the peer),
+/// nothing is served from the unproven replica: requests wait the connect timeout, then
+/// fail, and nothing reached the replica; the status says what the disk waits for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn nothing_is_served_from_an_unproven_replica_when_the_peer_never_comes() {
+    let m1 = mem(MIB);
+    m1.write(0, Bytes::from(vec![0x11; 4096]), IoFlags::empty())
+        .await
+        .unwrap();
+    let d1 = start(config(1, MIB, DISK_ID, PEER_TIMEOUT), m1.clone()).await;
+    dial(&d1, &free_addr());
+    let s = d1.status();
+    assert!(
+        matches!(s.freshness, Freshness::Unproven { .. }) && s.unproven_since.is_some(),
+        "{s:?}"
+    );
+    let began = Instant::now();
+    let x = Bytes::from(vec![0x42; 4096]);
+    let (w, r) = within_for(
+        CONNECT_TIMEOUT + LOSS_MARGIN,
+        "requests with no peer",
+        async { tokio::join!(d1.write(0, x.clone(), IoFlags::empty()), d1.read(0, 4096)) },
+    )
+    .await;
+    assert_eq!(w.unwrap_err().kind(), ErrorKind::Io);
+    assert_eq!(r.unwrap_err().kind(), ErrorKind::Io);
+    let took = began.elapsed();
+    assert!(
+        took >= CONNECT_TIMEOUT - Duration::from_millis(50),
+        "failed after only {took:?}"
+    );
+    assert_eq!(&m1.read(0, 4096).await.unwrap()[..], &[0x11; 4096][..]);
+    let s = d1.status();
+    assert_eq!(s.link, LinkState::Waiting, "{s:?}");
+    assert!(
+        matches!(
+            s.freshness,
+            Freshness::Unproven {
+                awaiting: Awaiting::PeerOrOperator
+            }
+        ),
+        "{s:?}"
+    );
+    // The operator's word makes it serve alone.
+    d1.declare_current().await.unwrap();
+    d1.write(0, x.clone(), IoFlags::empty()).await.unwrap();
+    assert_eq!(read(&d1, 0, 4096).await, x);
+    assert_eq!(d1.status().freshness, Freshness::Current(Proof::Operator));
+    assert!(d1.declare_current().await.is_err(), "only once");
 }
 
 /// After the link to node 2 is gone: node 1 turns degraded within the peer timeout plus a

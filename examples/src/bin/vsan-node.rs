@@ -39,10 +39,15 @@
 //!   (every second while one runs)
 //! - `sync disk=<name> done|interrupted kind=.. role=.. total=<bytes> done=<bytes> transferred=<bytes> mismatches=<n> elapsed_ms=<ms>`
 //! - `problem disk=<name> <reason>` when a link is refused or lost (a split brain, say).
+//! - `unproven disk=<name> waiting for <what>` while the replica is not proven current
+//!   (after every start with a peer: nothing is served from it, requests wait), and
+//!   `serving disk=<name> proof=<handshake|witness|operator|only-writer|startup-timeout>`
+//!   when it starts serving (see the README's failure section and `node.startup`).
 //!
 //! Operator actions without the management service: `--discard-my-data NAME` resolves
 //! a split brain by making this node's replica of NAME the sync target on the next
-//! connection; SIGUSR1 starts an online verify of every mirrored disk from this node.
+//! connection; `--declare-current NAME` serves this node's replica of NAME alone at
+//! once, without proof that it is current (a risk, logged as one); SIGUSR1 starts an online verify of every mirrored disk from this node.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -55,7 +60,7 @@ use vsan::node::config::Config;
 use vsan::node::{Node, StartError, StartOptions};
 use vsan_cache::{CacheState, WriteBackCache};
 use vsan_replica::MirroredDisk;
-use vsan_replica::protocol::{LinkState, SyncKind, SyncRole};
+use vsan_replica::protocol::{Awaiting, Freshness, LinkState, SyncKind, SyncRole};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -70,6 +75,12 @@ struct Args {
     /// connection this replica becomes the sync target. May be given more than once.
     #[arg(long, value_name = "NAME")]
     discard_my_data: Vec<String>,
+    /// Declare this node's replica of disk NAME current at start: it serves alone until
+    /// the peer connects, without waiting for proof. A risk, logged as one: only when
+    /// the peer is known to be behind (or gone for good), since writes it acknowledged
+    /// alone are not here. May be given more than once.
+    #[arg(long, value_name = "NAME")]
+    declare_current: Vec<String>,
 }
 
 fn main() -> ExitCode {
@@ -99,7 +110,11 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    match rt.block_on(run(config, args.discard_my_data)) {
+    let options = StartOptions {
+        discard_my_data: args.discard_my_data,
+        declare_current: args.declare_current,
+    };
+    match rt.block_on(run(config, options)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(StartError::Config(msg) | StartError::AddressInUse(msg)) => {
             eprintln!(
@@ -116,14 +131,8 @@ fn main() -> ExitCode {
     }
 }
 
-async fn run(config: Config, discard: Vec<String>) -> Result<(), StartError> {
-    let node = Node::start(
-        &config,
-        StartOptions {
-            discard_my_data: discard,
-        },
-    )
-    .await?;
+async fn run(config: Config, options: StartOptions) -> Result<(), StartError> {
+    let node = Node::start(&config, options).await?;
     let mut reporters = Vec::new();
     for disk in node.disks() {
         if let Some(cache) = &disk.cache {
@@ -131,9 +140,6 @@ async fn run(config: Config, discard: Vec<String>) -> Result<(), StartError> {
                 disk.name.clone(),
                 std::sync::Arc::downgrade(cache),
             )));
-        }
-        if let Some(mirror) = &disk.mirror {
-            reporters.push(tokio::spawn(report(mirror.clone())));
         }
     }
     let mirrors: Vec<MirroredDisk> = node
@@ -148,6 +154,12 @@ async fn run(config: Config, discard: Vec<String>) -> Result<(), StartError> {
         say(line);
     }
     info!("vsan-node ready");
+    // The mirrors' reports after the ready lines (a replica proven at once says
+    // `serving` after `ready`); each compares with "nothing happened yet", so nothing
+    // that came before is missed.
+    for mirror in &mirrors {
+        reporters.push(tokio::spawn(report(mirror.clone())));
+    }
     signals.wait(&mirrors).await;
     drop(mirrors);
     for task in &reporters {
@@ -271,6 +283,9 @@ async fn report(disk: MirroredDisk) {
     last.syncing = false;
     last.last_sync = None;
     last.last_problem = None;
+    last.freshness = Freshness::Unproven {
+        awaiting: Awaiting::Peer,
+    };
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     let mut first = true;
     loop {
@@ -320,6 +335,15 @@ async fn report(disk: MirroredDisk) {
             && let Some(p) = &now.last_problem
         {
             say(&format!("problem disk={name} {p}"));
+        }
+        match (now.freshness, last.freshness) {
+            (Freshness::Current(proof), Freshness::Unproven { .. }) => {
+                say(&format!("serving disk={name} proof={proof}"));
+            }
+            (Freshness::Unproven { awaiting }, _) if now.freshness != last.freshness => {
+                say(&format!("unproven disk={name} waiting for {awaiting}"));
+            }
+            _ => {}
         }
         if now.link == LinkState::Connected && last.link != LinkState::Connected {
             say(&format!(

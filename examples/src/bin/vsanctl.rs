@@ -14,6 +14,8 @@
 //!   create DISK --size SIZE [--backing file|mem] [--peer ID] [--nbd ADDR]
 //!   delete DISK [--force] [--remove-files]
 //!   detach DISK / attach DISK   the local replica (I/O goes through the peer meanwhile)
+//!   declare-current DISK     serve this node's unproven replica alone (a risk: only when
+//!                            the peer is known to be behind)
 //! ```
 //!
 //! The node is `--node`, else `$VSAN_MGMT`, else `127.0.0.1:7101`; the bearer token is
@@ -183,6 +185,13 @@ enum Command {
     },
     /// Attach the local replica again (it is resynced from the peer)
     Attach {
+        /// The disk's name
+        disk: String,
+    },
+    /// Declare this node's unproven replica current: it serves alone until the peer
+    /// connects. A risk: writes the peer acknowledged alone are not here; only when the
+    /// peer is known to be behind (or gone for good)
+    DeclareCurrent {
         /// The disk's name
         disk: String,
     },
@@ -517,6 +526,9 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         }
         Command::Detach { disk } => print_action(json, call(client.detach_local(req(disk))).await?),
         Command::Attach { disk } => print_action(json, call(client.attach_local(req(disk))).await?),
+        Command::DeclareCurrent { disk } => {
+            print_action(json, call(client.declare_current(req(disk))).await?)
+        }
     }
     Ok(())
 }
@@ -843,6 +855,12 @@ fn changes(prev: &v1::DiskStatus, s: &v1::DiskStatus) -> Vec<String> {
             "{}: local replica {} -> {}",
             s.name, prev.local_state, s.local_state
         ));
+    }
+    if prev.freshness != s.freshness && !s.freshness.is_empty() {
+        out.push(match s.freshness.as_str() {
+            "current" => format!("{}: serving (proved by: {})", s.name, s.freshness_proof),
+            _ => format!("{}: unproven, waiting for {}", s.name, s.awaiting),
+        });
     }
     if prev.last_problem != s.last_problem && !s.last_problem.is_empty() {
         out.push(format!("{}: problem: {}", s.name, s.last_problem));

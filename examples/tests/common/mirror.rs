@@ -27,6 +27,8 @@ pub struct Side {
     witness: Option<String>,
     /// `node.quorum`.
     quorum: Option<&'static str>,
+    /// `node.startup`.
+    startup: Option<&'static str>,
     /// The disk's `split_brain` policy.
     split_brain: Option<&'static str>,
     /// The disk's `resync_rate`.
@@ -49,6 +51,7 @@ impl Side {
             peer_timeout_ms: 5000,
             witness: None,
             quorum: None,
+            startup: None,
             split_brain: None,
             resync_rate: None,
             transport: "tcp",
@@ -67,6 +70,14 @@ impl Side {
     /// More `[node]` lines (`key = value`, one per line).
     pub fn node_lines(mut self, lines: &str) -> Side {
         self.node_lines = lines.to_string();
+        self
+    }
+
+    /// `node.startup = "serve-alone-after-timeout"`: the node serves its replica alone
+    /// once the peer timeout passes without the peer (for tests of a node whose peer
+    /// never shakes hands, where serving alone is what they look at).
+    pub fn serve_alone(mut self) -> Side {
+        self.startup = Some("serve-alone-after-timeout");
         self
     }
 
@@ -118,6 +129,9 @@ impl Side {
         }
         if let Some(q) = self.quorum {
             s += &format!("quorum = {}\n", toml_str(q));
+        }
+        if let Some(p) = self.startup {
+            s += &format!("startup = {}\n", toml_str(p));
         }
         s += &self.node_lines;
         s += &format!(

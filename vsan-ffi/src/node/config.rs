@@ -113,6 +113,25 @@ pub struct NodeSection {
     /// default: fail it) or "suspend" (hold it until the peer or quorum returns). Only
     /// with `witness`.
     pub quorum: Option<String>,
+    /// What a restarted node does when its peer does not connect within
+    /// `peer_timeout_ms` and no witness is configured: "wait-for-peer" (the default:
+    /// serve nothing from the replica, which may be stale, until the peer's handshake or
+    /// an operator's declare-current) or "serve-alone-after-timeout" (take the replica
+    /// as current and serve alone, logged as a risk). A node whose metadata says it went
+    /// on alone before it stopped serves at once either way.
+    #[serde(default)]
+    pub startup: Startup,
+}
+
+/// `node.startup`: see [`NodeSection::startup`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Startup {
+    /// Serve nothing until the replica is proven current.
+    #[default]
+    WaitForPeer,
+    /// Serve alone once the peer timeout passes without the peer.
+    ServeAloneAfterTimeout,
 }
 
 /// `[[peer]]`.

@@ -36,6 +36,8 @@
 //! | `vsan_mirror_syncing` | gauge | 1 while a resync or verify runs |
 //! | `vsan_mirror_resync_remaining_bytes` | gauge | bytes the running resync or verify has left (0 when none runs) |
 //! | `vsan_mirror_out_of_sync_chunks` | gauge | chunks this replica's bitmap marks out of sync |
+//! | `vsan_mirror_replica_current{proof}` | gauge | 1 once the local replica is proven current since the start (`proof`: handshake, witness, operator, only-writer, startup-timeout), 0 while unproven (`proof="none"`: nothing is served from it) |
+//! | `vsan_mirror_unproven_seconds` | gauge | how long the replica has been waiting to be proven current (0 once it is) |
 //! | `vsan_cache_dirty_bytes` | gauge | log bytes not yet destaged |
 //! | `vsan_cache_log_size_bytes` | gauge | the cache log's size |
 //! | `vsan_cache_read_hits_total`, `vsan_cache_read_misses_total` | counter | blocks read from the cache / the backing store |
@@ -72,7 +74,7 @@ use tokio::sync::oneshot;
 use tokio::task::{JoinHandle, JoinSet};
 use tracing::{debug, warn};
 use vsan_core::{BlockDevice, Geometry, IoFlags, IoFuture, Result};
-use vsan_replica::protocol::LinkState;
+use vsan_replica::protocol::{Freshness, LinkState};
 
 use super::{NodeDisk, StartError};
 
@@ -519,6 +521,35 @@ impl Collector for DiskStates {
             )?;
             for (disk, _, status, _) in &mirrors {
                 gauge(status.dirty_chunks).encode(metric.encode_family(&[("disk", *disk)])?)?;
+            }
+            let mut metric = encoder.encode_descriptor(
+                "vsan_mirror_replica_current",
+                "1 once the local replica is proven current since the node started (the \
+                 proof label says how), 0 while it is not (proof=\"none\": nothing is \
+                 served from it; requests wait).",
+                None,
+                G,
+            )?;
+            for (disk, _, status, _) in &mirrors {
+                let (v, proof) = match status.freshness {
+                    Freshness::Current(p) => (1, p.as_str()),
+                    Freshness::Unproven { .. } => (0, "none"),
+                };
+                ConstGauge::new(v)
+                    .encode(metric.encode_family(&[("disk", *disk), ("proof", proof)])?)?;
+            }
+            let mut metric = encoder.encode_descriptor(
+                "vsan_mirror_unproven",
+                "How long the local replica has been waiting to be proven current (0 once \
+                 it is).",
+                Some(&Unit::Seconds),
+                G,
+            )?;
+            for (disk, _, status, _) in &mirrors {
+                let waited = status
+                    .unproven_since
+                    .map_or(0.0, |t| t.elapsed().map_or(0.0, |d| d.as_secs_f64()));
+                ConstGauge::new(waited).encode(metric.encode_family(&[("disk", *disk)])?)?;
             }
         }
 

@@ -21,7 +21,7 @@ use vsan_core::ErrorKind;
 use vsan_replica::mgmt::RequireToken;
 use vsan_replica::mgmt::v1;
 use vsan_replica::mgmt::v1::mgmt_server::{Mgmt, MgmtServer};
-use vsan_replica::protocol::{LinkState, ResyncRate, SyncKind, SyncRole};
+use vsan_replica::protocol::{Freshness, LinkState, ResyncRate, SyncKind, SyncRole};
 
 use std::sync::Arc;
 
@@ -252,6 +252,20 @@ pub(crate) fn status_of(d: &NodeDisk) -> v1::DiskStatus {
         s.sync_number = st.last_sync_start.map_or(0, |x| x.number);
         s.last_problem = st.last_problem.clone().unwrap_or_default();
         s.local_data_lost = st.local_data_lost;
+        match st.freshness {
+            Freshness::Current(proof) => {
+                s.freshness = "current".into();
+                s.freshness_proof = proof.as_str().into();
+            }
+            Freshness::Unproven { awaiting } => {
+                s.freshness = "unproven".into();
+                s.awaiting = awaiting.as_str().into();
+                s.unproven_since_unix_ms = st.unproven_since.map_or(0, |t| {
+                    t.duration_since(std::time::UNIX_EPOCH)
+                        .map_or(0, |d| d.as_millis() as u64)
+                });
+            }
+        }
         if let Some(p) = m.sync_progress() {
             s.sync = Some(v1::SyncProgress {
                 kind: kind(p.kind),
@@ -541,6 +555,16 @@ impl Mgmt for Service {
     ) -> Result<Response<v1::ActionResponse>, Status> {
         let name = req.into_inner().name;
         self.act(&name, |m| async move { m.attach_local().await })
+            .await
+    }
+
+    async fn declare_current(
+        &self,
+        req: Request<v1::DiskRequest>,
+    ) -> Result<Response<v1::ActionResponse>, Status> {
+        let name = req.into_inner().name;
+        warn!(disk = %name, "management: an operator declares this replica current");
+        self.act(&name, |m| async move { m.declare_current().await })
             .await
     }
 }

@@ -33,6 +33,7 @@ use vsan_replica::connect::{DiskRegistry, accept_loop_shared, dial_loop};
 use vsan_replica::meta::{self, DEFAULT_CHUNK_SIZE};
 use vsan_replica::protocol::{
     Config as MirrorConfig, DiskId, LinkState, QuorumPolicy, ResyncRate, SplitBrainPolicy,
+    StartupPolicy,
 };
 use vsan_replica::transport::Transport;
 use vsan_replica::transport::tcp::TcpTransport;
@@ -79,6 +80,10 @@ pub struct StartOptions {
     /// Mirrored disks whose split brain is resolved by discarding this node's changes:
     /// on the next connection this replica becomes the sync target.
     pub discard_my_data: Vec<String>,
+    /// Mirrored disks whose unproven replica an operator declares current at start:
+    /// each serves alone until its peer connects, logged as a risk (see
+    /// [`MirroredDisk::declare_current`]).
+    pub declare_current: Vec<String>,
 }
 
 /// One of a node's disks.
@@ -254,15 +259,21 @@ impl Node {
         if let Some(v) = &node.mgmt {
             warn!("node.mgmt = {v:?}: this build has no management service (feature `mgmt`)");
         }
-        for name in discard {
-            if !config
-                .disk
-                .iter()
-                .any(|d| &d.name == name && d.peer.is_some())
-            {
-                return Err(StartError::Config(format!(
-                    "--discard-my-data {name:?}: no mirrored disk of that name"
-                )));
+        let declare = &options.declare_current;
+        for (flag, names) in [
+            ("--discard-my-data", discard),
+            ("--declare-current", declare),
+        ] {
+            for name in names {
+                if !config
+                    .disk
+                    .iter()
+                    .any(|d| &d.name == name && d.peer.is_some())
+                {
+                    return Err(StartError::Config(format!(
+                        "{flag} {name:?}: no mirrored disk of that name"
+                    )));
+                }
             }
         }
         let witness = node
@@ -449,6 +460,14 @@ impl Node {
                         .map_err(|e| StartError::Runtime(e.to_string()))?;
                     if discard.contains(&d.name) {
                         disk.discard_my_data();
+                    }
+                    if declare.contains(&d.name) {
+                        warn!(disk = %d.name, "--declare-current: the operator declares this replica current");
+                        match disk.declare_current().await {
+                            Ok(what) => warn!(disk = %d.name, "{what}"),
+                            // (Proven already, say by its own metadata: nothing to do.)
+                            Err(e) => warn!(disk = %d.name, "--declare-current not applied: {e}"),
+                        }
                     }
                     if node.id < peer_id {
                         info!(disk = %d.name, peer = peer_id, address = %peer.address,
@@ -774,6 +793,10 @@ pub(crate) fn mirror_config(
     // Several pings per timeout, so one late ping never loses the peer.
     cfg.ping_interval = cfg.ping_interval.min(cfg.peer_timeout / 4);
     cfg.connect_timeout = Duration::from_millis(node.peer_timeout_ms);
+    cfg.startup = match node.startup {
+        config::Startup::WaitForPeer => StartupPolicy::WaitForPeer,
+        config::Startup::ServeAloneAfterTimeout => StartupPolicy::ServeAloneAfterTimeout,
+    };
     cfg.quorum = quorum;
     cfg.seed = rand::random();
     let key = |k: &str| format!("key `{key}.{k}`");
@@ -1178,14 +1201,19 @@ async fn open_replica(
     })
 }
 
-/// Why a mirror cannot take a flush for its callers at shutdown, if it cannot: alone
-/// and an unfinished resync target (no complete copy here), or alone without the
-/// witness's grant (refused or held by the quorum policy).
+/// Why a mirror cannot take a flush for its callers at shutdown, if it cannot: not
+/// proven current since the start (it served nothing), alone and an unfinished resync
+/// target (no complete copy here), or alone without the witness's grant (refused or held
+/// by the quorum policy).
 fn unflushable(s: &vsan_replica::MirrorStatus) -> Option<&'static str> {
     if s.link == LinkState::Connected {
         return None;
     }
-    if s.inconsistent {
+    if !s.freshness.is_current() {
+        // Nothing was served from it, so nothing of the callers' is waiting to be made
+        // durable; a flush would wait for the proof and fail.
+        Some("the replica is not proven current (the peer has not connected since the start)")
+    } else if s.inconsistent {
         Some("the replica is an unfinished resync target and the peer is away")
     } else if s.quorum == Some(false) || s.suspended {
         Some("the peer is away and the witness has not granted this node the disk")

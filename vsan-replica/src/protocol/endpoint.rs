@@ -36,7 +36,11 @@ use super::message::{
 use super::ranges::{Range, any_overlap, subtract};
 use crate::meta::{AL_EXTENT_SIZE, AL_SLOTS, Bitmap, Layout, Loaded, Superblock, encode_al};
 
+mod freshness;
 mod sync;
+
+use freshness::FreshnessState;
+pub use freshness::{Awaiting, Freshness, Proof, StartupPolicy};
 
 pub use sync::{SyncKind, SyncProgress, SyncRole, SyncSummary};
 
@@ -59,8 +63,12 @@ pub struct Config {
     pub peer_timeout: Duration,
     /// How often to ping an idle link.
     pub ping_interval: Duration,
-    /// How long writes wait for a first connection before completing on this node alone.
+    /// How long requests wait at start for the peer's first connection; then the
+    /// startup policy (or, with a witness, the witness) decides.
     pub connect_timeout: Duration,
+    /// What an unproven node does when its peer does not connect within
+    /// `connect_timeout` and no witness is configured (see [`StartupPolicy`]).
+    pub startup: StartupPolicy,
     /// What to do in a split brain.
     pub split_brain: SplitBrainPolicy,
     /// Resync speed and pacing.
@@ -121,7 +129,7 @@ pub enum QuorumPolicy {
 
 impl Config {
     /// A config with the default timeouts (peer 5 s, ping 1 s, first connection 5 s), no
-    /// witness, split brains refused, dynamic resync rate, a random generation seed.
+    /// witness, startup policy wait-for-peer, split brains refused, dynamic resync rate, a random generation seed.
     pub fn new(
         node_id: u32,
         peer_id: u32,
@@ -140,6 +148,7 @@ impl Config {
             peer_timeout: Duration::from_secs(5),
             ping_interval: Duration::from_secs(1),
             connect_timeout: Duration::from_secs(5),
+            startup: StartupPolicy::WaitForPeer,
             split_brain: SplitBrainPolicy::Refuse,
             resync: ResyncConfig::default(),
             quorum: None,
@@ -484,6 +493,8 @@ pub struct Endpoint {
     shutting_down: bool,
     shut_down: bool,
     state: LinkState,
+    /// Whether the replica is proven current (see the `freshness` module).
+    fresh: FreshnessState,
     created: Instant,
     /// We validated the peer's Hello and sent Welcome.
     sent_welcome: bool,
@@ -624,7 +635,7 @@ impl Endpoint {
             waiters: Vec::new(),
         };
         let rng = cfg.seed ^ 0x9e37_79b9_7f4a_7c15;
-        Endpoint {
+        let mut ep = Endpoint {
             cfg,
             meta,
             sync: None,
@@ -643,6 +654,7 @@ impl Endpoint {
             shutting_down: false,
             shut_down: false,
             state: LinkState::Waiting,
+            fresh: FreshnessState::Unproven { timed_out: false },
             created: now,
             sent_welcome: false,
             got_welcome: false,
@@ -670,7 +682,9 @@ impl Endpoint {
             transmit: VecDeque::new(),
             local_io: VecDeque::new(),
             events: VecDeque::new(),
-        }
+        };
+        ep.initial_freshness();
+        ep
     }
 
     /// The link state.
@@ -1014,6 +1028,10 @@ impl Endpoint {
         }
         self.shutting_down = true;
         info!(disk = %self.cfg.disk_name, "shutting down: dropping the link to the peer");
+        if !self.is_current() {
+            // Nothing held for an unproven replica may now be served from it.
+            self.fail_held(|_| true, ErrorKind::Closed);
+        }
         match self.state {
             LinkState::Connected => self.lose_peer(now, "this node is shutting down".into()),
             LinkState::Waiting | LinkState::Handshaking => {
@@ -1506,6 +1524,7 @@ impl Endpoint {
         self.state = LinkState::Connected;
         self.handshaking = false;
         self.quorum = Quorum::Idle;
+        self.become_current(freshness::Proof::Handshake);
         info!(disk = %self.cfg.disk_name, peer = self.cfg.peer_id, "peer connected: mirroring ({decision:?})");
         self.events.push_back(Event::Connected);
         // Writes started while waiting for the link go out now, in order, then the
@@ -1553,6 +1572,8 @@ impl Endpoint {
         }
         self.discard_my_data = false;
         self.release_hold(now);
+        // Writes held while the replica was unproven start now, in submission order.
+        self.start_ready(now);
         self.run_held_reads(now);
     }
 
@@ -1678,6 +1699,10 @@ impl Endpoint {
         } else {
             Quorum::Denied
         };
+        if granted {
+            // The peer cannot have written alone since: it would hold the grant.
+            self.become_current(freshness::Proof::Witness);
+        }
         if before != self.quorum {
             if granted {
                 info!(disk = %self.cfg.disk_name, "quorum granted by the witness: serving I/O without the peer");
@@ -1693,6 +1718,13 @@ impl Endpoint {
     }
 
     fn settle_held(&mut self, now: Instant) {
+        if !self.is_current()
+            && let Some(kind) = self.unproven_refusal()
+        {
+            // Unproven and refused alone (the witness gave the disk to the peer): the
+            // held requests fail, none of them touched the replica.
+            self.fail_held(|_| true, kind);
+        }
         let waiting: Vec<RequestId> = self.unsent.drain(..).collect();
         self.settle_waiting_writes(waiting);
         self.settle_waiting_flushes();
@@ -1835,6 +1867,17 @@ impl Endpoint {
                 result: Err(ErrorKind::Io),
             });
         }
+        if !self.is_current() {
+            // Not proven current: never answered from this replica. It waits for the
+            // proof (the connect timeout bounds it), or fails as quorum says.
+            return match self.unproven_refusal() {
+                Some(kind) => self.events.push_back(Event::Completed {
+                    request: req,
+                    result: Err(kind),
+                }),
+                None => self.held_reads.push_back((req, offset, len, since)),
+            };
+        }
         if self.state == LinkState::Degraded {
             match self.alone() {
                 Alone::Hold => return self.held_reads.push_back((req, offset, len, since)),
@@ -1868,17 +1911,9 @@ impl Endpoint {
                     }
                 }
             }
-        } else if self.cfg.quorum.is_some()
-            && self.state != LinkState::Connected
-            && self.quorum != Quorum::Granted
-        {
-            // With a witness, the peer may have written alone (holding the grant) while
-            // this node was away or cut off: until the handshake says which replica is
-            // current, or the witness grants this node the disk, the local data may be
-            // stale. Wait for the link, as writes do; the connect timeout bounds the wait,
-            // then the quorum decides.
-            return self.held_reads.push_back((req, offset, len, since));
         }
+        // (Waiting or handshaking without the grant is never reached here: a node is
+        // proven current only connected or degraded; see the freshness gate above.)
         if self.detached || self.stale(offset, u64::from(len)) {
             if self.state != LinkState::Connected
                 && (self.handshaking || self.state == LinkState::Waiting)
@@ -2046,8 +2081,10 @@ impl Endpoint {
             self.try_start_apply(i);
             i += 1;
         }
-        if self.hold_writes {
-            return;
+        if self.hold_writes || !self.is_current() {
+            // (Unproven: nothing lands on the replica before the handshake, the witness
+            // or an operator says it is current, and the resync orders it.)
+            return self.try_shutdown(now);
         }
         // Own writes, in submission order; one blocked write blocks later overlapping ones.
         let mut blocked: Vec<Range> = Vec::new();
@@ -2733,7 +2770,12 @@ impl Endpoint {
             }
             LinkState::Handshaking => {}
             LinkState::Waiting => {
-                if let Some(first) = self.oldest_waiting() {
+                if let Some(x) = self.unproven_deadline() {
+                    at(x);
+                }
+                if self.is_current()
+                    && let Some(first) = self.oldest_waiting()
+                {
                     at(first.max(self.created) + self.cfg.connect_timeout);
                 }
             }
@@ -2798,6 +2840,7 @@ impl Endpoint {
                 self.sync_tick(now);
             }
             LinkState::Handshaking => {}
+            LinkState::Waiting if !self.is_current() => self.unproven_tick(now),
             LinkState::Waiting => {
                 let due = self
                     .oldest_waiting()

@@ -19,13 +19,16 @@ pub mod message;
 mod ranges;
 
 #[cfg(test)]
+mod freshness_tests;
+#[cfg(test)]
 mod review_tests;
 #[cfg(test)]
 mod tests;
 
 pub use endpoint::{
-    Config, Endpoint, Event, LinkState, LocalIo, LocalOpId, LocalResult, QuorumPolicy, RequestId,
-    ResyncConfig, ResyncRate, SyncKind, SyncProgress, SyncRole, SyncSummary,
+    Awaiting, Config, Endpoint, Event, Freshness, LinkState, LocalIo, LocalOpId, LocalResult,
+    Proof, QuorumPolicy, RequestId, ResyncConfig, ResyncRate, StartupPolicy, SyncKind,
+    SyncProgress, SyncRole, SyncSummary,
 };
 pub use message::{
     DiskId, GEN_JUST_CREATED, Generations, Hello, Message, PROTOCOL_VERSION, SplitBrainPolicy,

@@ -638,24 +638,53 @@ fn a_read_that_fails_locally_is_retried_on_the_peer() {
 fn writes_before_the_first_connection_wait_for_it() {
     let mut p = Pair::new();
     let r = p.write(0, 0, fill(0x31, 512), false);
-    p.complete_io(0, 0);
+    assert!(
+        !p.n[0]
+            .io
+            .iter()
+            .any(|io| matches!(io, LocalIo::Write { .. })),
+        "an unproven replica is not written before the handshake"
+    );
     assert_eq!(p.n[0].result_of(r), None, "waits for the peer");
     p.connect();
     p.run();
     assert_eq!(p.n[0].result_of(r), Some(&Ok(None)));
     assert_eq!(p.n[0].disk, p.n[1].disk);
+    assert_eq!(p.n[0].disk[0], 0x31);
 }
 
 #[test]
-fn a_peer_that_never_comes_lets_writes_complete_after_the_connect_timeout() {
+fn a_peer_that_never_comes_fails_held_writes_after_the_connect_timeout() {
     let mut p = Pair::new();
     let r = p.write(0, 0, fill(0x31, 512), false);
-    p.complete_io(0, 0);
     let t = p.n[0].ep.poll_timeout().expect("connect timer");
     p.n[0].ep.handle_timeout(t);
     p.pump();
+    assert_eq!(p.n[0].result_of(r), Some(&Err(ErrorKind::Io)));
+    assert_eq!(p.n[0].ep.state(), LinkState::Waiting);
+    assert_eq!(p.n[0].disk[0], 0, "nothing reached the replica");
+}
+
+#[test]
+fn a_peer_that_never_comes_lets_writes_complete_after_the_connect_timeout_when_serving_alone_is_opted_in()
+ {
+    let now = Instant::now();
+    let mut cfg = Config::new(1, 2, DiskId([7; 16]), "vol0", SIZE, BS);
+    cfg.startup = StartupPolicy::ServeAloneAfterTimeout;
+    let mut p = Pair::new();
+    p.n[0] = Node::with(cfg, 64 * 1024, 77, now);
+    p.now = now;
+    let r = p.write(0, 0, fill(0x31, 512), false);
+    let t = p.n[0].ep.poll_timeout().expect("connect timer");
+    p.n[0].ep.handle_timeout(t);
+    p.pump();
+    p.complete_io(0, 0);
     assert_eq!(p.n[0].result_of(r), Some(&Ok(None)));
     assert_eq!(p.n[0].ep.state(), LinkState::Degraded);
+    assert_eq!(
+        p.n[0].ep.freshness(),
+        Freshness::Current(Proof::StartupTimeout)
+    );
 }
 
 #[test]
@@ -948,6 +977,7 @@ fn a_discard_larger_than_the_activity_log_runs_with_its_chunks_marked() {
     let cfg = Config::new(1, 2, DiskId([7; 16]), "vol0", size, BS);
     let meta = synced_meta(&cfg, 64 * 1024, 77);
     let mut ep = Endpoint::new(cfg, meta, now);
+    ep.declare_current(now).unwrap();
     let r = ep.submit_write(now, 0, WritePayload::Discard { len: size }, false);
     let mut writes = 0;
     for _ in 0..10 {
