@@ -157,7 +157,7 @@ fn replay() {
 const REGRESSIONS: &[(u64, &str)] = &[
     (2, "no-peer-ack-wait"),
     (4, "no-bitmap-marks"),
-    (2, "fixed-witness-stale-read-before-handshake"),
+    (2, "fixed-restarted-node-serves-unproven"),
     (14, "fixed-failure-alone-distrusts-only-copy"),
     (36, "fixed-sync-timer-spins"),
     (145, "fixed-target-read-before-source-bitmap"),

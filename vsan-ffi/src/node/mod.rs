@@ -660,11 +660,13 @@ impl Node {
         }
         let disks = std::mem::take(&mut *self.shared.disks.write());
         let mut failed = Vec::new();
+        // Disks whose only final flush is their mirror's close.
+        let mut flushed_by_close = Vec::new();
         for disk in &disks {
             if let Some(why) = disk.mirror.as_ref().and_then(|m| unflushable(&m.status())) {
-                // The mirror would refuse (or hold) the flush; its close below makes
-                // this replica durable before marking it clean.
+                // The close below makes this replica durable before marking it clean.
                 warn!(disk = %disk.name, "not flushed through the mirror: {why}; closing it flushes this replica");
+                flushed_by_close.push(disk.name.clone());
                 continue;
             }
             match disk.device.flush().await {
@@ -704,6 +706,13 @@ impl Node {
         for disk in &mirrors {
             match tokio::time::timeout(DRAIN_TIMEOUT, disk.close()).await {
                 Ok(Ok(())) => info!(disk = disk.name(), "metadata marked clean"),
+                Ok(Err(e)) if flushed_by_close.iter().any(|n| n == disk.name()) => {
+                    error!(
+                        disk = disk.name(),
+                        "closing the mirror (its final flush) failed: {e}"
+                    );
+                    failed.push(format!("disk {}: final flush failed: {e}", disk.name()));
+                }
                 Ok(Err(e)) => warn!(disk = disk.name(), "closing the mirror failed: {e}"),
                 Err(_) => warn!(disk = disk.name(), "closing the mirror timed out"),
             }
@@ -1201,10 +1210,11 @@ async fn open_replica(
     })
 }
 
-/// Why a mirror cannot take a flush for its callers at shutdown, if it cannot: not
+/// Why the final flush is not run through a mirror at shutdown, if it is not: not
 /// proven current since the start (it served nothing), alone and an unfinished resync
-/// target (no complete copy here), or alone without the witness's grant (refused or held
-/// by the quorum policy).
+/// target (no complete copy here), alone without the witness's grant (refused or held
+/// by the quorum policy), or alone at all (the mirror's close flushes this replica
+/// without moving its generation).
 fn unflushable(s: &vsan_replica::MirrorStatus) -> Option<&'static str> {
     if s.link == LinkState::Connected {
         return None;
@@ -1218,6 +1228,11 @@ fn unflushable(s: &vsan_replica::MirrorStatus) -> Option<&'static str> {
     } else if s.quorum == Some(false) || s.suspended {
         Some("the peer is away and the witness has not granted this node the disk")
     } else {
-        None
+        // A flush alone would move the replica to a new generation (what it makes
+        // durable the peer may lack), so the next handshake would resync even when
+        // nothing was written since the peer left. Closing the mirror makes everything
+        // durable here and marks the metadata clean, which the generation rules read
+        // the same way (a peer that crashed meanwhile takes this replica's data).
+        Some("the peer is away")
     }
 }
