@@ -304,6 +304,12 @@ fn mirror_link_state_and_resync() {
             gauge(&s, "vsan_mirror_out_of_sync_chunks", &[("disk", "vol0")]),
             0.0
         );
+        let proven = [("disk", "vol0"), ("proof", "handshake")];
+        assert_eq!(gauge(&s, "vsan_mirror_replica_current", &proven), 1.0);
+        assert_eq!(
+            gauge(&s, "vsan_mirror_unproven_seconds", &[("disk", "vol0")]),
+            0.0
+        );
     }
 
     let killed = n1.stop(Sig::KILL);

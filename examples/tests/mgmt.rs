@@ -397,6 +397,106 @@ fn status_degraded_and_watch_of_the_resync_after_the_peer_comes_back() {
     assert_replicas_identical(&image(&dir1, DISK), &image(&dir2, DISK));
 }
 
+/// A node restarted while its peer stays away: `status` (JSON, table, details) says its
+/// replica is unproven and what it waits for, the metrics say so too, nothing is
+/// served; `vsanctl declare-current` serves it (once; a second call is refused); the
+/// peer's return needs no resync.
+#[test]
+fn an_unproven_replica_shows_in_status_and_declare_current_serves_it() {
+    if !require_tool("qemu-io") {
+        return;
+    }
+    let s1 = side(1, "\"8MiB\"");
+    let s2 = side(2, "\"8MiB\"").node_lines(&format!("{MGMT}metrics = \"127.0.0.1:0\"\n"));
+    let (dir1, dir2) = (TestDir::new("mgmt-fresh-n1"), TestDir::new("mgmt-fresh-n2"));
+    let listen = free_loopback_addr();
+    let n2 = start_acceptor(&dir2, &s2, &listen);
+    let n1 = start_dialer(&dir1, &s1, n2.replication());
+    wait_first_sync(&n1, &n2);
+    let data = Region::new(0x3e, MIB, 64 * KIB);
+    qemu_io_writes(&n1.uri(DISK), &[data]);
+    stop_both_clean(n1, n2);
+
+    let n2 = start_acceptor(&dir2, &s2, &listen);
+    let m2 = mgmt_addr(&n2);
+    let s = status_json(&m2, DISK);
+    assert_eq!(s["freshness"], "unproven", "{s:#}");
+    assert_eq!(s["freshness_proof"], Value::Null, "{s:#}");
+    assert!(
+        s["awaiting"]
+            .as_str()
+            .is_some_and(|a| a.contains("declare-current")),
+        "{s:#}"
+    );
+    assert!(
+        s["unproven_since_unix_ms"].as_u64().is_some_and(|t| t > 0),
+        "{s:#}"
+    );
+    let table = vsanctl_ok(&m2, &["status"]).stdout;
+    assert!(
+        table.contains("SERVING") && table.contains("no: unproven"),
+        "{table}"
+    );
+    let one = vsanctl_ok(&m2, &["status", DISK]).stdout;
+    assert!(
+        one.contains("UNPROVEN") && one.contains("declare-current"),
+        "{one}"
+    );
+    let metrics = n2.wait_stdout(&["ready metrics="], EVENT_TIMEOUT);
+    let maddr = common::field(&metrics, "metrics").expect("the metrics address");
+    let body = http_get(&maddr, "/metrics");
+    assert!(
+        body.contains("vsan_mirror_replica_current{disk=\"vol0\",proof=\"none\"} 0"),
+        "{body}"
+    );
+    let out = common::qemu_io(&n2.uri(DISK), &[data.read()]);
+    assert!(
+        !out.status.success() || out.text().to_lowercase().contains("error"),
+        "an unproven replica was served:\n{out}"
+    );
+
+    let out = vsanctl_ok(&m2, &["declare-current", DISK]);
+    assert!(out.stdout.contains("declared current"), "{out}");
+    n2.wait_stdout(&["serving disk=vol0 proof=operator"], EVENT_TIMEOUT);
+    let s = status_json(&m2, DISK);
+    assert_eq!(s["freshness"], "current", "{s:#}");
+    assert_eq!(s["freshness_proof"], "operator", "{s:#}");
+    assert!(
+        vsanctl_ok(&m2, &["status"])
+            .stdout
+            .contains("yes (operator)")
+    );
+    assert_node_error(
+        &vsanctl(&m2, &["declare-current", DISK]),
+        "FAILED_PRECONDITION",
+        "proven current already",
+    );
+    qemu_io_reads(&n2.uri(DISK), &[data]);
+    let body = http_get(&maddr, "/metrics");
+    assert!(
+        body.contains("vsan_mirror_replica_current{disk=\"vol0\",proof=\"operator\"} 1"),
+        "{body}"
+    );
+
+    // The peer returns: in sync at once (node 2 served alone but wrote nothing).
+    let n1 = start_dialer(&dir1, &s1, &listen);
+    n1.wait_stdout(&["serving disk=vol0 proof=handshake"], EVENT_TIMEOUT);
+    wait_status(&m2, "connected and in sync", in_sync);
+    stop_both_clean(n1, n2);
+    assert_replicas_identical(&image(&dir1, DISK), &image(&dir2, DISK));
+}
+
+/// `GET path` over plain HTTP/1.0; the body.
+fn http_get(addr: &str, path: &str) -> String {
+    let mut s = TcpStream::connect(addr).expect("connect to the metrics endpoint");
+    s.set_read_timeout(Some(TOOL_TIMEOUT)).expect("timeout");
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").expect("send");
+    let mut text = String::new();
+    s.read_to_string(&mut text).expect("read the answer");
+    text.split_once("\r\n\r\n")
+        .map_or(text.clone(), |(_, b)| b.to_string())
+}
+
 #[test]
 fn split_brain_resolved_and_verified_through_vsanctl() {
     if !require_tool("qemu-io") {

@@ -103,7 +103,9 @@ fn blocking_and_async_io_on_a_memory_disk() {
         assert_eq!(vsan_disk_get_status(disk, &mut st), VSAN_OK);
         assert!(!st.mirrored && !st.cached);
         assert_eq!(st.link, VSAN_LINK_LOCAL);
+        assert_eq!((st.proof, st.unproven_since_ms), (VSAN_PROOF_LOCAL, 0));
         assert_eq!(vsan_disk_verify(disk), VSAN_ERR_NOT_SUPPORTED);
+        assert_eq!(vsan_disk_declare_current(disk), VSAN_ERR_NOT_SUPPORTED);
 
         assert_eq!(vsan_disk_free(disk), VSAN_OK);
         assert_eq!(vsan_disk_free(disk), VSAN_ERR_BAD_HANDLE);
@@ -174,6 +176,7 @@ fn two_nodes_mirror_through_the_c_api() {
         assert_eq!(vsan_disk_get_status(d1, &mut st), VSAN_OK);
         assert!(st.mirrored);
         assert_eq!((st.link, st.peer_id), (VSAN_LINK_CONNECTED, 2));
+        assert_eq!((st.proof, st.unproven_since_ms), (VSAN_PROOF_HANDSHAKE, 0));
         let transport = std::ffi::CStr::from_ptr(st.transport.as_ptr());
         assert_eq!(transport.to_str().unwrap(), "tcp");
 
@@ -326,4 +329,57 @@ fn blocking_calls_from_a_callback_and_closing_handles() {
         assert_eq!(vsan_disk_flush(disk), VSAN_ERR_BAD_HANDLE);
         assert_eq!(vsan_disk_free(disk), VSAN_ERR_BAD_HANDLE);
     }
+}
+
+/// A mirrored disk whose peer never comes: the status says its replica is unproven (and
+/// since when), a read fails after the peer timeout instead of answering from it, and
+/// `vsan_disk_declare_current` serves it (once).
+#[test]
+fn an_unproven_replica_is_reported_and_served_only_once_declared_current() {
+    let dir = std::env::temp_dir().join(format!("vsan-ffi-unproven-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let node = node_from(&format!(
+        "[node]\nid = 1\ndata_dir = {:?}\nthreads = 2\npeer_timeout_ms = 300\n\n\
+         [[peer]]\nid = 2\naddress = \"127.0.0.1:1\"\n\n\
+         [[disk]]\nname = \"vol0\"\nsize = \"1MiB\"\nbacking = \"file\"\npeer = 2\n",
+        dir.display().to_string()
+    ));
+    let disk = open(node, "vol0");
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    // SAFETY: every pointer passed is valid for its call.
+    unsafe {
+        let mut st: vsan_disk_status = std::mem::zeroed();
+        assert_eq!(vsan_disk_get_status(disk, &mut st), VSAN_OK);
+        assert_eq!(st.proof, VSAN_PROOF_NONE);
+        assert!(
+            st.unproven_since_ms > 0 && st.unproven_since_ms <= now_ms,
+            "{}",
+            st.unproven_since_ms
+        );
+        let mut buf = vec![0u8; 4096];
+        assert_eq!(
+            vsan_disk_read(disk, 0, buf.as_mut_ptr().cast(), buf.len()),
+            VSAN_ERR_IO
+        );
+        assert_eq!(vsan_disk_declare_current(disk), VSAN_OK, "{}", last_error());
+        assert_eq!(vsan_disk_get_status(disk, &mut st), VSAN_OK);
+        assert_eq!((st.proof, st.unproven_since_ms), (VSAN_PROOF_OPERATOR, 0));
+        assert_eq!(st.link, VSAN_LINK_DEGRADED);
+        assert_eq!(
+            vsan_disk_read(disk, 0, buf.as_mut_ptr().cast(), buf.len()),
+            VSAN_OK
+        );
+        assert_eq!(vsan_disk_declare_current(disk), VSAN_ERR_INVALID_ARGUMENT);
+        assert!(
+            last_error().contains("proven current already"),
+            "{}",
+            last_error()
+        );
+        assert_eq!(vsan_disk_free(disk), VSAN_OK);
+        assert_eq!(vsan_node_free(node), VSAN_OK, "{}", last_error());
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }
