@@ -6,8 +6,9 @@
 //! reads locally, and lets both nodes write the same disk at the same time.
 //!
 //! - [`protocol`]: the sans-IO state machine (handshake, protocol C writes, resync,
-//!   verify, split brain, quorum), tested through every interleaving of message delivery
-//!   and local I/O completion;
+//!   verify, split brain, quorum, and freshness: after a start a replica is served only
+//!   once proven current, see [`protocol::Freshness`]), tested through every
+//!   interleaving of message delivery and local I/O completion;
 //! - `MirroredDisk`: the tokio driver around it; [`meta`]: the on-disk metadata;
 //!   [`wire`] and [`transport`]: the replication frames and links; [`connect`]: dialing
 //!   and accepting; [`witness`]: the quorum witness client;
