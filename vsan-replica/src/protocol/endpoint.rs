@@ -465,6 +465,16 @@ enum MetaWaiter {
     OwnWrite(RequestId),
     OwnFlush(RequestId),
     CheckpointAck(u64),
+    /// A finished resync's `SyncDone` for the target, on link `epoch` (then the grant
+    /// goes back to the witness).
+    SyncDone {
+        epoch: u64,
+        generations: Generations,
+    },
+    /// `ReplicaDetached` for the peer on link `epoch` (after a `SyncDone`).
+    ReplicaDetached {
+        epoch: u64,
+    },
     Shutdown,
 }
 
@@ -880,6 +890,19 @@ impl Endpoint {
                             Status::Ok
                         };
                         self.send(now, Message::SyncCheckpointAck { id, status });
+                    }
+                }
+                MetaWaiter::SyncDone { epoch, generations } => {
+                    if self.state == LinkState::Connected && epoch == self.link_epoch {
+                        self.send(now, Message::SyncDone { generations });
+                        if self.cfg.quorum.is_some() {
+                            self.events.push_back(Event::ReleaseQuorum);
+                        }
+                    }
+                }
+                MetaWaiter::ReplicaDetached { epoch } => {
+                    if self.state == LinkState::Connected && epoch == self.link_epoch {
+                        self.send(now, Message::ReplicaDetached);
                     }
                 }
                 MetaWaiter::Shutdown => self.shut_down = true,

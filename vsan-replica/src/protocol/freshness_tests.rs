@@ -297,3 +297,30 @@ fn both_nodes_restarted_in_sync_serve_after_the_handshake_without_a_resync() {
         assert_eq!(n.ep.freshness(), Freshness::Current(Proof::Handshake));
     }
 }
+
+#[test]
+fn a_resync_source_tells_the_target_it_is_done_only_once_its_own_metadata_says_so() {
+    // Node 1 went on alone and is the source. Were the target told "done" before the
+    // source's metadata dropped its bitmap generation, a crash of the source right then
+    // would leave a consistent target that may go on alone, and a source that restarts
+    // believing (from that stale metadata) that it was the only writer and serves at once.
+    let mut p = peer_went_on_alone(cfg(2, 1));
+    p.n[0].hold_meta = true;
+    p.connect();
+    p.run_where(|i, io| !(i == 0 && matches!(io, LocalIo::Meta { .. })));
+    assert!(
+        p.n[0].ep.sync_progress(p.now).is_none(),
+        "the source finished its pass"
+    );
+    assert!(
+        p.n[1].ep.is_inconsistent(),
+        "the target was told the resync is done before the source's metadata said so"
+    );
+    // The source's metadata write lands: now the target hears of it.
+    p.n[0].hold_meta = false;
+    p.run();
+    assert!(!p.n[1].ep.is_inconsistent());
+    assert_eq!(p.n[0].disk, p.n[1].disk);
+    assert_eq!(p.n[0].ep.generations(), p.n[1].ep.generations());
+    assert_eq!(p.n[0].ep.generations().bitmap, 0);
+}

@@ -990,9 +990,19 @@ impl Endpoint {
             }
             self.meta.sb.crashed = false;
             self.meta.dirty_sb = true;
-            self.meta_touch();
+            let mgen = self.meta_touch();
             let generations = self.meta.sb.generations;
-            self.send(now, Message::SyncDone { generations });
+            // The target hears "done" only once this replica's metadata no longer says it
+            // went on alone: a crash before that must not leave a consistent target that
+            // may go on alone beside a source whose metadata (bitmap generation still
+            // set) makes it serve at once as the only writer after its restart.
+            self.meta.waiters.push((
+                mgen,
+                MetaWaiter::SyncDone {
+                    epoch: self.link_epoch,
+                    generations,
+                },
+            ));
             // The peer holds everything again.
             self.peer_incomplete = false;
             if self.detached_alone {
@@ -1000,16 +1010,19 @@ impl Endpoint {
                 // the I/O, and this replica is distrusted as after any other failure.
                 self.detached_alone = false;
                 self.distrust_replica();
-                self.send(now, Message::ReplicaDetached);
+                self.meta.waiters.push((
+                    mgen,
+                    MetaWaiter::ReplicaDetached {
+                        epoch: self.link_epoch,
+                    },
+                ));
             }
             info!(
                 disk = %self.cfg.disk_name,
                 "{} done as source: {} bytes sent of {} in {:?}; in sync",
                 s.kind, s.transferred_bytes, s.total_bytes, summary.elapsed
             );
-            if self.cfg.quorum.is_some() {
-                self.events.push_back(Event::ReleaseQuorum);
-            }
+            // (The witness's grant goes back once the target heard it is done.)
         }
         self.last_sync = Some(summary);
         self.events.push_back(Event::SyncEnded(summary));
