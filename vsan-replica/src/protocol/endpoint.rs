@@ -2792,35 +2792,15 @@ impl Endpoint {
                 }
             }
             LinkState::Handshaking => {}
+            // (Waiting is the unproven start: a proven node is connected or degraded.)
             LinkState::Waiting => {
                 if let Some(x) = self.unproven_deadline() {
                     at(x);
-                }
-                if self.is_current()
-                    && let Some(first) = self.oldest_waiting()
-                {
-                    at(first.max(self.created) + self.cfg.connect_timeout);
                 }
             }
             LinkState::Degraded => {}
         }
         t
-    }
-
-    /// When the oldest write or read waiting for a first link was submitted.
-    fn oldest_waiting(&self) -> Option<Instant> {
-        let writes = self
-            .unsent
-            .iter()
-            .filter_map(|r| self.own_writes.get(r))
-            .map(|w| w.submitted);
-        let reads = self.held_reads.iter().map(|r| r.3);
-        let flushes = self
-            .own_flushes
-            .values()
-            .filter(|f| f.remote == Remote::Unsent)
-            .map(|f| f.submitted);
-        writes.chain(reads).chain(flushes).min()
     }
 
     fn oldest_unacked(&self) -> Option<Instant> {
@@ -2863,19 +2843,7 @@ impl Endpoint {
                 self.sync_tick(now);
             }
             LinkState::Handshaking => {}
-            LinkState::Waiting if !self.is_current() => self.unproven_tick(now),
-            LinkState::Waiting => {
-                let due = self
-                    .oldest_waiting()
-                    .is_some_and(|t| now >= t.max(self.created) + self.cfg.connect_timeout);
-                if due {
-                    let t = self.cfg.connect_timeout;
-                    self.lose_peer(now, format!("the peer did not connect within {t:?}"));
-                    // Reads held for the first link go where they can now (or fail):
-                    // nothing else would wake them.
-                    self.run_held_reads(now);
-                }
-            }
+            LinkState::Waiting => self.unproven_tick(now),
             LinkState::Degraded => {}
         }
     }
