@@ -714,6 +714,16 @@ impl Node {
                     failed.push(format!("disk {}: final flush failed: {e}", disk.name()));
                 }
                 Ok(Err(e)) => warn!(disk = disk.name(), "closing the mirror failed: {e}"),
+                Err(_) if flushed_by_close.iter().any(|n| n == disk.name()) => {
+                    error!(
+                        disk = disk.name(),
+                        "closing the mirror (its final flush) timed out"
+                    );
+                    failed.push(format!(
+                        "disk {}: final flush timed out after {DRAIN_TIMEOUT:?}",
+                        disk.name()
+                    ));
+                }
                 Err(_) => warn!(disk = disk.name(), "closing the mirror timed out"),
             }
         }

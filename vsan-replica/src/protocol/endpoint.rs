@@ -893,7 +893,12 @@ impl Endpoint {
                     }
                 }
                 MetaWaiter::SyncDone { epoch, generations } => {
-                    if self.state == LinkState::Connected && epoch == self.link_epoch {
+                    if self.meta.failed {
+                        // (Released because nothing will be persisted any more.) This
+                        // replica's metadata still names it the only writer: the target
+                        // must not become consistent beside it; it stays a target.
+                        warn!(disk = %self.cfg.disk_name, "resync done, but the metadata failed: the peer is not told; it stays a resync target");
+                    } else if self.state == LinkState::Connected && epoch == self.link_epoch {
                         self.send(now, Message::SyncDone { generations });
                         if self.cfg.quorum.is_some() {
                             self.events.push_back(Event::ReleaseQuorum);
@@ -901,7 +906,10 @@ impl Endpoint {
                     }
                 }
                 MetaWaiter::ReplicaDetached { epoch } => {
-                    if self.state == LinkState::Connected && epoch == self.link_epoch {
+                    if !self.meta.failed
+                        && self.state == LinkState::Connected
+                        && epoch == self.link_epoch
+                    {
                         self.send(now, Message::ReplicaDetached);
                     }
                 }
@@ -1760,6 +1768,7 @@ impl Endpoint {
     pub fn discard_my_data(&mut self) {
         warn!(disk = %self.cfg.disk_name, "operator: discard this node's data on the next connect");
         self.discard_my_data = true;
+        self.distrust_only_writer_start();
     }
 
     // ----- caller requests -----
@@ -1842,6 +1851,17 @@ impl Endpoint {
         };
         let mut refused = None;
         let remote = match self.state {
+            // Not proven current: the flush waits for the proof like every request, and
+            // never completes alone (that would move the generation of data nobody has
+            // proven).
+            _ if !self.is_current() => {
+                if self.shutting_down {
+                    refused = Some(ErrorKind::Closed);
+                    Remote::Skipped
+                } else {
+                    Remote::Unsent
+                }
+            }
             LinkState::Connected => {
                 self.send(now, Message::Flush { id: req.0 });
                 Remote::Sent(now)
@@ -2739,7 +2759,7 @@ impl Endpoint {
             });
             return;
         }
-        if remote.is_none() && local.is_ok() && !self.meta.sb.inconsistent {
+        if remote.is_none() && local.is_ok() && !self.meta.sb.inconsistent && self.is_current() {
             // Durable here and not (known to be) on the peer: this replica is now
             // ahead of it, as after a write acknowledged alone. Its generation moves
             // on, durably, before the flush is acknowledged, so a restart of both

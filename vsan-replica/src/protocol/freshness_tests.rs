@@ -324,3 +324,95 @@ fn a_resync_source_tells_the_target_it_is_done_only_once_its_own_metadata_says_s
     assert_eq!(p.n[0].ep.generations(), p.n[1].ep.generations());
     assert_eq!(p.n[0].ep.generations().bitmap, 0);
 }
+
+#[test]
+fn a_target_whose_link_drops_before_the_sources_marks_serves_nothing_stale() {
+    // Node 2 restarts behind node 1, becomes the target, and the link drops before node
+    // 1's bitmap (the chunk it wrote alone) arrives: node 2 must not take its own
+    // (stale) chunk 0 for synced.
+    let mut p = peer_went_on_alone(cfg(2, 1));
+    p.connect();
+    // Deliver only what node 2 receives until it is connected, not node 1's bitmap.
+    for _ in 0..20 {
+        if p.n[1].ep.state() == LinkState::Connected {
+            break;
+        }
+        let next_is_bitmap = matches!(p.n[1].inbox.front(), Some(Message::SyncBitmap { .. }));
+        if next_is_bitmap || !(p.deliver(1) | p.deliver(0)) {
+            break;
+        }
+    }
+    assert_eq!(
+        p.n[1].ep.state(),
+        LinkState::Connected,
+        "node 2 is connected"
+    );
+    assert!(p.n[1].ep.is_inconsistent(), "as the target");
+    let now = p.now;
+    p.n[1].inbox.clear();
+    p.n[1].ep.handle_disconnected(now, "the link dropped");
+    p.pump();
+    let r = read(&mut p, 1, 0, 512);
+    p.run_where(|i, _| i == 1);
+    assert_eq!(
+        p.n[1].result_of(r),
+        Some(&Err(ErrorKind::Io)),
+        "no stale read"
+    );
+    // Back together: node 2 ends with node 1's data.
+    p.n[0].ep.handle_disconnected(now, "the link dropped");
+    p.pump();
+    p.connect();
+    p.run();
+    assert_eq!(p.n[0].disk, p.n[1].disk);
+    assert!(!p.n[1].ep.is_inconsistent());
+}
+
+#[test]
+fn an_unproven_node_shutting_down_refuses_flushes_and_keeps_its_generation() {
+    let mut p = peer_went_on_alone(cfg(2, 1));
+    let now = p.now;
+    let before = p.n[1].ep.generations();
+    p.n[1].ep.begin_shutdown(now);
+    let f = p.n[1].ep.submit_flush(now);
+    p.pump();
+    p.run_where(|i, _| i == 1);
+    assert_eq!(p.n[1].result_of(f), Some(&Err(ErrorKind::Closed)));
+    assert_eq!(p.n[1].ep.generations(), before);
+    assert!(p.n[1].ep.is_shut_down());
+}
+
+#[test]
+fn discarding_its_data_at_start_keeps_an_only_writer_from_serving_it() {
+    let mut p = peer_went_on_alone(cfg(2, 1));
+    let now = p.now;
+    p.n[0].ep.discard_my_data();
+    assert!(!p.n[0].ep.freshness().is_current());
+    assert_eq!(p.n[0].ep.state(), LinkState::Waiting);
+    assert!(p.n[0].ep.declare_current(now).is_err());
+    let r = read(&mut p, 0, 0, 512);
+    assert_eq!(local_reads(&p.n[0]), 0, "the data to discard is not served");
+    let t = p.n[0].ep.poll_timeout().expect("startup timer");
+    p.n[0].ep.handle_timeout(t);
+    p.pump();
+    assert_eq!(p.n[0].result_of(r), Some(&Err(ErrorKind::Io)));
+    // The peer connects: the handshake decides (discard-my-data counts in a split
+    // brain; here node 2 did not write, so node 1 stays the source) and both serve.
+    p.connect();
+    p.run();
+    assert_eq!(p.n[0].disk, p.n[1].disk);
+    assert_eq!(p.n[0].ep.freshness(), Freshness::Current(Proof::Handshake));
+}
+
+#[test]
+fn a_source_whose_metadata_failed_does_not_tell_the_target_the_resync_is_done() {
+    let mut p = peer_went_on_alone(cfg(2, 1));
+    p.connect();
+    p.n[0].fail_meta = true;
+    p.run();
+    assert!(p.n[0].ep.meta_failed());
+    assert!(
+        p.n[1].ep.is_inconsistent(),
+        "the target must not become consistent beside a source still named the only writer"
+    );
+}

@@ -141,8 +141,10 @@ pub enum Awaiting {
     PeerOrTimeout,
     /// The peer's handshake, or the witness's grant.
     PeerOrWitness,
-    /// The peer's handshake only: the witness granted the disk to the peer, which may
-    /// have written alone.
+    /// The peer's handshake: the witness did not grant this node the disk (the peer
+    /// holds it and may have written alone, or the witness is out of reach), or the
+    /// replica can only be completed by the peer (an unfinished sync target, or data the
+    /// operator asked to discard).
     Peer,
 }
 
@@ -151,9 +153,16 @@ impl Awaiting {
     pub fn as_str(self) -> &'static str {
         match self {
             Awaiting::PeerOrOperator => "the peer's handshake or an operator's declare-current",
-            Awaiting::PeerOrTimeout => "the peer's handshake or the startup timeout",
-            Awaiting::PeerOrWitness => "the peer's handshake or the witness's grant",
-            Awaiting::Peer => "the peer's handshake (the witness granted the disk to the peer)",
+            Awaiting::PeerOrTimeout => {
+                "the peer's handshake, the startup timeout or an operator's declare-current"
+            }
+            Awaiting::PeerOrWitness => {
+                "the peer's handshake, the witness's grant or an operator's declare-current"
+            }
+            Awaiting::Peer => {
+                "the peer's handshake (the witness did not grant this node the disk: the peer \
+                 may hold it, or the witness is out of reach)"
+            }
         }
     }
 }
@@ -192,6 +201,9 @@ impl Endpoint {
     }
 
     fn awaiting(&self) -> Awaiting {
+        if self.meta.sb.inconsistent || self.discard_my_data {
+            return Awaiting::Peer;
+        }
         match self.cfg.quorum {
             Some(_) if self.quorum == super::Quorum::Denied => Awaiting::Peer,
             Some(_) => Awaiting::PeerOrWitness,
@@ -229,10 +241,35 @@ impl Endpoint {
         }
     }
 
+    /// An operator asked to discard this node's data while it serves at once as the
+    /// only writer (a restart with `--discard-my-data`, before anything ran): it goes back
+    /// to unproven, serving nothing until the peer's handshake replaces its data.
+    pub(super) fn distrust_only_writer_start(&mut self) {
+        let idle = self.own_writes.is_empty()
+            && self.own_flushes.is_empty()
+            && self.local_reads.is_empty()
+            && self.held_reads.is_empty();
+        if self.fresh == FreshnessState::Current(Proof::OnlyWriter)
+            && self.state == LinkState::Degraded
+            && !self.handshaking
+            && idle
+        {
+            info!(disk = %self.cfg.disk_name, "this node's data is to be discarded: not serving it; waiting for the peer");
+            self.fresh = FreshnessState::Unproven { timed_out: false };
+            self.state = LinkState::Waiting;
+            self.quorum = super::Quorum::Idle;
+        }
+    }
+
     /// The replica is proven current: log it; held requests go on as the caller's
     /// state change says (the caller settles them).
     pub(super) fn become_current(&mut self, proof: Proof) {
         if self.is_current() {
+            return;
+        }
+        if self.discard_my_data && proof != Proof::Handshake {
+            // The operator gave this replica's data up: only the peer's replaces it.
+            info!(disk = %self.cfg.disk_name, "not serving on the {proof}'s word: this node's data is to be discarded; waiting for the peer");
             return;
         }
         self.fresh = FreshnessState::Current(proof);
@@ -271,6 +308,13 @@ impl Endpoint {
                     .into(),
             );
         }
+        if self.discard_my_data {
+            return Err(
+                "discard-my-data is pending: this node's data is to be replaced by \
+                        the peer's"
+                    .into(),
+            );
+        }
         if self.handshaking {
             return Err("a handshake with the peer is running: it decides".into());
         }
@@ -306,7 +350,15 @@ impl Endpoint {
         let held_due = self
             .oldest_held()
             .is_some_and(|first| now >= first.max(self.created) + t);
-        match (self.cfg.quorum, self.cfg.startup) {
+        // An unfinished sync target, or data the operator gave up, is never taken as
+        // current without the peer: such a node waits for it whatever the policy.
+        let only_the_peer = self.meta.sb.inconsistent || self.discard_my_data;
+        let policy = match self.cfg.startup {
+            _ if only_the_peer => StartupPolicy::WaitForPeer,
+            p => p,
+        };
+        let quorum = self.cfg.quorum.filter(|_| !only_the_peer);
+        match (quorum, policy) {
             (Some(_), _) => {
                 if start_due || held_due {
                     // The witness decides: a grant proves this replica current, a denial

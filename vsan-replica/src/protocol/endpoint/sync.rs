@@ -352,6 +352,17 @@ impl Endpoint {
             "{} interrupted ({why}) after {} of {} bytes; it resumes on the next connection",
             s.kind, s.done_bytes, s.total_bytes
         );
+        if s.role == SyncRole::Target && !s.got_peer_bitmap() {
+            // The source's marks (what it wrote while apart) never arrived: any chunk
+            // may be older here, now and after a restart. All of them are marked, so
+            // nothing is served from this replica alone and the next run compares
+            // every chunk by checksum.
+            self.meta.bitmap.set_all();
+            self.meta
+                .dirty_blocks
+                .extend(0..self.meta.layout.bitmap_blocks());
+            self.meta_touch();
+        }
         self.last_sync = Some(summary);
         self.events.push_back(Event::SyncEnded(summary));
     }
