@@ -22,8 +22,8 @@
 //! replica is usable (neither failing nor distrusted) or when the link is up and the
 //! peer's is, and its replica is proven current: a node restarted while the link is cut
 //! is *unproven* (it serves nothing, and reads nothing from its replica) until the link
-//! is back, unless it had written alone since the cut (its metadata says the peer is
-//! behind).
+//! is back, unless since the last resync it acknowledged a change the peer could not take
+//! (the link cut, or the peer's replica not usable): its metadata says the peer is behind.
 //!
 //! When the link comes back, one view becomes the state of both, as the generation rules
 //! of `vsan_replica::protocol::generations` decide — stated here from what the test did,
@@ -547,6 +547,10 @@ struct Model {
     /// the link was cut (or with a distrusted replica): its replica is not proven
     /// current, so it serves nothing (requests wait the connect timeout, then fail).
     unproven: [bool; 2],
+    /// Acknowledged a change while the peer could not take it (the link cut, or the
+    /// peer's replica not usable) since the last resync: its metadata names it ahead of
+    /// the peer (a bitmap generation), so a restart serves at once.
+    ahead: [bool; 2],
 }
 
 impl Model {
@@ -563,6 +567,7 @@ impl Model {
             alone_failed: [false; 2],
             torn_pending: [false; 2],
             unproven: [false; 2],
+            ahead: [false; 2],
         }
     }
 
@@ -861,7 +866,7 @@ impl Cluster {
         // Apart, a restarted node is proven current only by its own metadata: it went on
         // alone since the link was cut (and its replica is not distrusted).
         self.model.unproven[n] =
-            !self.model.linked && (!self.model.wrote[n] || self.model.distrusted[n]);
+            !self.model.linked && (!self.model.ahead[n] || self.model.distrusted[n]);
         if self.model.linked {
             self.link().await?;
         } else if self.model.unproven[n] {
@@ -982,6 +987,9 @@ impl Cluster {
             }
             .map_err(|k| format!("model refused the request: {k:?}"))?;
         }
+        if !self.model.linked || !self.model.usable(1 - n) {
+            self.model.ahead[n] = true;
+        }
         if !self.model.linked {
             // A flush too: what it made durable here the peer may lack.
             self.model.wrote[n] = true;
@@ -1063,6 +1071,10 @@ impl Cluster {
         self.model.unproven = [false; 2];
         self.link().await?;
         self.settle().await?;
+        if self.model.usable(0) && self.model.usable(1) {
+            // The resync the heal ran is done: neither is ahead any more.
+            self.model.ahead = [false; 2];
+        }
         Ok(true)
     }
 
@@ -1120,6 +1132,7 @@ impl Cluster {
         } else if self.model.linked {
             // Attached again (settle does it) and resynced in full.
             self.settle().await?;
+            self.model.ahead = [false; 2];
         }
         Ok(true)
     }
