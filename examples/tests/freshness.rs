@@ -70,6 +70,27 @@ fn synced_pair(tag: &str, s1: &Side, s2: &Side) -> Pair {
     pair
 }
 
+/// A synced pair that took `data` through node 1 and was stopped cleanly: the two
+/// directories and node 2's replication address, for restarts.
+fn written_and_stopped(tag: &str, data: Region) -> (TestDir, TestDir, String) {
+    let Pair {
+        dir1,
+        dir2,
+        n1,
+        n2,
+        listen,
+    } = synced_pair(tag, &side(1), &side(2));
+    qemu_io_writes(&n1.uri(DISK), &[data]);
+    stop_both_clean(n1, n2);
+    (dir1, dir2, listen)
+}
+
+/// Stop both nodes cleanly and require byte-identical replicas.
+fn stop_and_compare(dir1: &TestDir, dir2: &TestDir, n1: Node, n2: Node) {
+    stop_both_clean(n1, n2);
+    assert_replicas_identical(&image(dir1, DISK), &image(dir2, DISK));
+}
+
 /// The export answers the NBD handshake (it listens) with the disk's size.
 fn export_listens(n: &Node) {
     let out = run_tool(
@@ -161,8 +182,7 @@ fn restarted_node_serves_the_newest_data(tag: &str, sig: Sig) {
         qemu_io_reads(&n.uri(DISK), &[first]);
         qemu_io_reads(&n.uri(DISK), &chunk_rest);
     }
-    stop_both_clean(n1, n2);
-    assert_replicas_identical(&image(&dir1, DISK), &image(&dir2, DISK));
+    stop_and_compare(&dir1, &dir2, n1, n2);
 }
 
 #[test]
@@ -180,16 +200,8 @@ fn both_nodes_stopped_cleanly_serve_after_the_handshake_without_a_resync() {
     if !tools() {
         return;
     }
-    let Pair {
-        dir1,
-        dir2,
-        n1,
-        n2,
-        listen,
-    } = synced_pair("fresh-both", &side(1), &side(2));
     let data = [Region::new(0x5a, 3 * MIB, 512 * KIB)];
-    qemu_io_writes(&n1.uri(DISK), &data);
-    stop_both_clean(n1, n2);
+    let (dir1, dir2, listen) = written_and_stopped("fresh-both", data[0]);
 
     let n2 = start_acceptor(&dir2, &side(2), &listen);
     let n1 = start_dialer(&dir1, &side(1), &listen);
@@ -207,8 +219,7 @@ fn both_nodes_stopped_cleanly_serve_after_the_handshake_without_a_resync() {
             lines.join("\n")
         );
     }
-    stop_both_clean(n1, n2);
-    assert_replicas_identical(&image(&dir1, DISK), &image(&dir2, DISK));
+    stop_and_compare(&dir1, &dir2, n1, n2);
 }
 
 #[test]
@@ -216,16 +227,8 @@ fn a_node_whose_peer_stays_away_serves_nothing_by_default_and_alone_only_when_op
     if !tools() {
         return;
     }
-    let Pair {
-        dir1,
-        dir2,
-        n1,
-        n2,
-        listen,
-    } = synced_pair("fresh-away", &side(1), &side(2));
     let data = [Region::new(0x6b, MIB, 64 * KIB)];
-    qemu_io_writes(&n1.uri(DISK), &data);
-    stop_both_clean(n1, n2);
+    let (dir1, dir2, listen) = written_and_stopped("fresh-away", data[0]);
     let before = std::fs::read(image(&dir2, DISK)).expect("node 2's image");
 
     // Default policy (wait-for-peer): the export listens, but nothing is answered from
@@ -280,8 +283,7 @@ fn a_node_whose_peer_stays_away_serves_nothing_by_default_and_alone_only_when_op
     n1.wait_stdout(&["serving disk=vol0 proof=handshake"], EVENT_TIMEOUT);
     n1.wait_stdout(&["sync disk=vol0 done", "role=target"], EVENT_TIMEOUT);
     qemu_io_reads(&n1.uri(DISK), &alone);
-    stop_both_clean(n1, n2);
-    assert_replicas_identical(&image(&dir1, DISK), &image(&dir2, DISK));
+    stop_and_compare(&dir1, &dir2, n1, n2);
 }
 
 #[test]
@@ -289,16 +291,8 @@ fn an_operator_flag_serves_an_unproven_replica_at_once() {
     if !tools() {
         return;
     }
-    let Pair {
-        dir1,
-        dir2,
-        n1,
-        n2,
-        listen,
-    } = synced_pair("fresh-declare", &side(1), &side(2));
     let data = [Region::new(0x4e, 5 * MIB, 64 * KIB)];
-    qemu_io_writes(&n1.uri(DISK), &data);
-    stop_both_clean(n1, n2);
+    let (dir1, dir2, listen) = written_and_stopped("fresh-declare", data[0]);
     let n2 = Node::start_listening_with_args(
         &dir2,
         &side(2).config(&dir2, Some(&listen), "127.0.0.1:1"),
@@ -310,8 +304,7 @@ fn an_operator_flag_serves_an_unproven_replica_at_once() {
     qemu_io_reads(&n2.uri(DISK), &data);
     let n1 = start_dialer(&dir1, &side(1), &listen);
     n1.wait_stdout(&["serving disk=vol0 proof=handshake"], EVENT_TIMEOUT);
-    stop_both_clean(n1, n2);
-    assert_replicas_identical(&image(&dir1, DISK), &image(&dir2, DISK));
+    stop_and_compare(&dir1, &dir2, n1, n2);
 }
 
 #[test]
@@ -363,7 +356,6 @@ fn with_a_witness_a_node_whose_peer_holds_the_grant_serves_nothing_and_the_holde
     n2.wait_stdout(&["serving disk=vol0 proof=handshake"], EVENT_TIMEOUT);
     qemu_io_reads(&n2.uri(DISK), &newest);
     n2.wait_stdout(&["sync disk=vol0 done", "role=target"], EVENT_TIMEOUT);
-    stop_both_clean(n1, n2);
-    assert_replicas_identical(&image(&dir1, DISK), &image(&dir2, DISK));
+    stop_and_compare(&dir1, &dir2, n1, n2);
     witness.stop();
 }

@@ -575,10 +575,7 @@ pub(crate) fn status_of(d: &DiskObj) -> vsan_disk_status {
             Freshness::Current(Proof::OnlyWriter) => VSAN_PROOF_ONLY_WRITER,
             Freshness::Current(Proof::StartupTimeout) => VSAN_PROOF_STARTUP_TIMEOUT,
         };
-        s.unproven_since_ms = st.unproven_since.map_or(0, |t| {
-            t.duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_millis() as u64)
-        });
+        s.unproven_since_ms = st.unproven_since_unix_ms();
         if let Some(start) = st.last_sync_start {
             s.sync_kind = sync_kind_code(start.kind);
             s.sync_role = role_code(start.role);

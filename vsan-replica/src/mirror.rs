@@ -196,6 +196,17 @@ pub struct MirrorStatus {
     pub unproven_since: Option<SystemTime>,
 }
 
+impl MirrorStatus {
+    /// [`MirrorStatus::unproven_since`] in milliseconds since the Unix epoch; 0 when
+    /// the replica is proven current.
+    pub fn unproven_since_unix_ms(&self) -> u64 {
+        self.unproven_since.map_or(0, |t| {
+            t.duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64)
+        })
+    }
+}
+
 /// A resync or verify that started.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SyncStart {

@@ -260,10 +260,7 @@ pub(crate) fn status_of(d: &NodeDisk) -> v1::DiskStatus {
             Freshness::Unproven { awaiting } => {
                 s.freshness = "unproven".into();
                 s.awaiting = awaiting.as_str().into();
-                s.unproven_since_unix_ms = st.unproven_since.map_or(0, |t| {
-                    t.duration_since(std::time::UNIX_EPOCH)
-                        .map_or(0, |d| d.as_millis() as u64)
-                });
+                s.unproven_since_unix_ms = st.unproven_since_unix_ms();
             }
         }
         if let Some(p) = m.sync_progress() {

@@ -1768,7 +1768,7 @@ impl Endpoint {
     pub fn discard_my_data(&mut self) {
         warn!(disk = %self.cfg.disk_name, "operator: discard this node's data on the next connect");
         self.discard_my_data = true;
-        self.distrust_only_writer_start();
+        self.undo_only_writer_start();
     }
 
     // ----- caller requests -----

@@ -244,7 +244,7 @@ impl Endpoint {
     /// An operator asked to discard this node's data while it serves at once as the
     /// only writer (a restart with `--discard-my-data`, before anything ran): it goes back
     /// to unproven, serving nothing until the peer's handshake replaces its data.
-    pub(super) fn distrust_only_writer_start(&mut self) {
+    pub(super) fn undo_only_writer_start(&mut self) {
         let idle = self.own_writes.is_empty()
             && self.own_flushes.is_empty()
             && self.local_reads.is_empty()
@@ -429,12 +429,12 @@ impl Endpoint {
         }
     }
 
-    /// When the oldest request held while the replica is unproven was submitted.
+    /// When the oldest request held while the replica is unproven was submitted (its
+    /// writes are all in `pending_own`: none starts before the proof).
     fn oldest_held(&self) -> Option<Instant> {
         let writes = self
             .pending_own
             .iter()
-            .chain(self.unsent.iter())
             .filter_map(|r| self.own_writes.get(r))
             .map(|w| w.submitted);
         let reads = self.held_reads.iter().map(|r| r.3);
@@ -455,11 +455,7 @@ impl Endpoint {
             .pending_own
             .iter()
             .copied()
-            .filter(|r| {
-                self.own_writes
-                    .get(r)
-                    .is_some_and(|w| !w.started && due(w.submitted))
-            })
+            .filter(|r| self.own_writes.get(r).is_some_and(|w| due(w.submitted)))
             .collect();
         for req in writes {
             self.pending_own.retain(|r| *r != req);
