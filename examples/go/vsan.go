@@ -195,6 +195,7 @@ const (
 	ErrNotFound        Result = C.VSAN_ERR_NOT_FOUND        // something named does not exist
 	ErrNoSpace         Result = C.VSAN_ERR_NO_SPACE         // the backing store is full
 	ErrNoQuorum        Result = C.VSAN_ERR_NO_QUORUM        // no peer and no quorum
+	ErrWrongState      Result = C.VSAN_ERR_WRONG_STATE      // refused in the current state
 	ErrNullPointer     Result = C.VSAN_ERR_NULL_POINTER     // a required pointer was NULL
 	ErrOverflow        Result = C.VSAN_ERR_OVERFLOW         // an offset or length overflows
 	ErrBadHandle       Result = C.VSAN_ERR_BAD_HANDLE       // closed (or never valid) handle

@@ -44,6 +44,10 @@ pub enum ErrorKind {
     /// A mirrored disk lost its peer and does not hold quorum (itself plus the witness),
     /// so it may not serve this request without risking divergent or stale data.
     NoQuorum = 13,
+    /// The request is well-formed but refused in the current state: a detach while the
+    /// peer is away, a verify while a resync runs, a declaration for a replica proven
+    /// current already. The message says which state refused it.
+    WrongState = 14,
 }
 
 impl ErrorKind {
@@ -63,6 +67,7 @@ impl ErrorKind {
             ErrorKind::NotFound => "not found",
             ErrorKind::NoSpace => "no space",
             ErrorKind::NoQuorum => "no quorum",
+            ErrorKind::WrongState => "refused in the current state",
         }
     }
 
@@ -203,5 +208,6 @@ mod tests {
         assert_eq!(ErrorKind::InvalidArgument as u32, 1);
         assert_eq!(ErrorKind::NoSpace as u32, 12);
         assert_eq!(ErrorKind::NoQuorum as u32, 13);
+        assert_eq!(ErrorKind::WrongState as u32, 14);
     }
 }

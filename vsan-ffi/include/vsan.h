@@ -292,6 +292,10 @@ typedef void (*vsan_completion)(void *userdata, vsan_result result, uint64_t tag
 // A mirrored disk without its peer and without quorum may not serve the request.
 #define VSAN_ERR_NO_QUORUM 13
 
+// The request is well-formed but refused in the disk's current state (a detach with the
+// peer away, a verify while a resync runs); the error detail says which state.
+#define VSAN_ERR_WRONG_STATE 14
+
 // A pointer argument that must not be NULL was NULL.
 #define VSAN_ERR_NULL_POINTER 64
 

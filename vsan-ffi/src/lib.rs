@@ -86,6 +86,9 @@ pub const VSAN_ERR_NOT_FOUND: vsan_result = 11;
 pub const VSAN_ERR_NO_SPACE: vsan_result = 12;
 /// A mirrored disk without its peer and without quorum may not serve the request.
 pub const VSAN_ERR_NO_QUORUM: vsan_result = 13;
+/// The request is well-formed but refused in the disk's current state (a detach with the
+/// peer away, a verify while a resync runs); the error detail says which state.
+pub const VSAN_ERR_WRONG_STATE: vsan_result = 14;
 /// A pointer argument that must not be NULL was NULL.
 pub const VSAN_ERR_NULL_POINTER: vsan_result = 64;
 /// A length or offset overflows (offset + length past 2^64, a length past `size_t`).
@@ -131,6 +134,7 @@ fn describe(code: vsan_result) -> &'static std::ffi::CStr {
         VSAN_ERR_NOT_FOUND => c"not found",
         VSAN_ERR_NO_SPACE => c"no space",
         VSAN_ERR_NO_QUORUM => c"no quorum",
+        VSAN_ERR_WRONG_STATE => c"refused in the current state",
         VSAN_ERR_NULL_POINTER => c"NULL pointer",
         VSAN_ERR_OVERFLOW => c"length or offset overflows",
         VSAN_ERR_BAD_HANDLE => c"closed or unknown handle",
@@ -334,6 +338,7 @@ mod tests {
             (VSAN_ERR_NOT_FOUND, ErrorKind::NotFound),
             (VSAN_ERR_NO_SPACE, ErrorKind::NoSpace),
             (VSAN_ERR_NO_QUORUM, ErrorKind::NoQuorum),
+            (VSAN_ERR_WRONG_STATE, ErrorKind::WrongState),
         ] {
             assert_eq!(code, result_of(kind), "{kind:?}");
             assert_eq!(
@@ -345,7 +350,7 @@ mod tests {
                 "{kind:?}"
             );
         }
-        for code in (0..=13).chain(64..=70) {
+        for code in (0..=14).chain(64..=70) {
             // SAFETY: the returned pointer is a static C string.
             let s = unsafe { std::ffi::CStr::from_ptr(vsan_result_str(code)) };
             assert_ne!(s.to_str().unwrap(), "unknown result code", "code {code}");

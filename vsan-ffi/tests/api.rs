@@ -372,7 +372,7 @@ fn an_unproven_replica_is_reported_and_served_only_once_declared_current() {
             vsan_disk_read(disk, 0, buf.as_mut_ptr().cast(), buf.len()),
             VSAN_OK
         );
-        assert_eq!(vsan_disk_declare_current(disk), VSAN_ERR_INVALID_ARGUMENT);
+        assert_eq!(vsan_disk_declare_current(disk), VSAN_ERR_WRONG_STATE);
         assert!(
             last_error().contains("proven current already"),
             "{}",

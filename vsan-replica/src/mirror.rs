@@ -64,7 +64,7 @@ enum Command {
     },
     /// Start an online verify from this node.
     Verify {
-        done: oneshot::Sender<std::result::Result<(), String>>,
+        done: oneshot::Sender<Result<()>>,
     },
     /// Discard this node's data in a split brain (on the next handshake).
     DiscardMyData,
@@ -80,7 +80,7 @@ enum Command {
 }
 
 /// Where the answer to an operator's action goes: what was done, or why not.
-type OperatorReply = oneshot::Sender<std::result::Result<String, String>>;
+type OperatorReply = oneshot::Sender<Result<String>>;
 
 /// What an operator may ask of a running mirror (see the [`MirroredDisk`] methods).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -364,10 +364,7 @@ impl MirroredDisk {
         let _ = self.commands.send(Command::Verify { done });
         match rx.await {
             Ok(Ok(())) => Ok(()),
-            Ok(Err(why)) => Err(Error::new(
-                ErrorKind::InvalidArgument,
-                format!("disk {}: cannot verify: {why}", self.name),
-            )),
+            Ok(Err(why)) => Err(why.context_prefix(format!("disk {}: cannot verify", self.name))),
             Err(_) => Err(self.stopped()),
         }
     }
@@ -390,16 +387,13 @@ impl MirroredDisk {
         }
         match rx.await {
             Ok(Ok(what)) => Ok(what),
-            Ok(Err(why)) => Err(Error::new(
-                ErrorKind::InvalidArgument,
-                format!("disk {}: {why}", self.name),
-            )),
+            Ok(Err(why)) => Err(why.context_prefix(format!("disk {}", self.name))),
             Err(_) => Err(self.stopped()),
         }
     }
 
     /// Stop the online verify this node runs (chunks it found different stay marked
-    /// and are copied at the next resync). Fails (`InvalidArgument`, with the reason)
+    /// and are copied at the next resync). Fails (`WrongState`, with the reason)
     /// when no verify from this node runs.
     pub async fn cancel_verify(&self) -> Result<String> {
         self.operate(Operator::CancelVerify).await
@@ -624,7 +618,7 @@ struct Driver {
     /// the link that replaced it.
     stale_events: VecDeque<Event>,
     /// Answers to operator actions, sent once the status shows their effect.
-    operator_replies: Vec<(OperatorReply, std::result::Result<String, String>)>,
+    operator_replies: Vec<(OperatorReply, Result<String>)>,
     last_progress_log: Instant,
     last_sync_start: Option<SyncStart>,
     waiters: FastMap<RequestId, Reply>,
@@ -841,7 +835,7 @@ impl Driver {
                 let r = match action {
                     Operator::CancelVerify => self.ep.cancel_verify(now),
                     Operator::SetRate(rate) => Ok(self.ep.set_resync_rate(now, rate)),
-                    Operator::DetachLocal => self.ep.detach_local(),
+                    Operator::DetachLocal => self.ep.detach_local(now),
                     Operator::AttachLocal => self.ep.attach_local(now),
                     Operator::DeclareCurrent => self.ep.declare_current(now),
                 };

@@ -1872,6 +1872,8 @@ async fn operator_detach_and_attach_the_local_replica() {
     let mut rng = SmallRng::seed_from_u64(9);
     let e = p.d1.attach_local().await.unwrap_err();
     assert!(e.to_string().contains("is attached"), "{e}");
+    // A refusal of the current state, not a malformed request.
+    assert_eq!(e.kind(), ErrorKind::WrongState, "{e}");
     p.d1.detach_local().await.unwrap();
     assert!(p.d1.status().local_detached);
     assert!(p.d1.detach_local().await.is_err(), "twice");

@@ -311,18 +311,25 @@ pub(crate) fn status_of(d: &NodeDisk) -> v1::DiskStatus {
     s
 }
 
-/// A library error as a gRPC status.
+/// A library error as a gRPC status: each kind has one code, so a malformed request
+/// (`INVALID_ARGUMENT`) is told apart from one the disk's state refuses
+/// (`FAILED_PRECONDITION`).
 fn status_from(e: vsan_core::Error) -> Status {
     let m = e.to_string();
     match e.kind() {
-        ErrorKind::InvalidArgument => Status::failed_precondition(m),
+        ErrorKind::InvalidArgument => Status::invalid_argument(m),
         ErrorKind::OutOfRange => Status::out_of_range(m),
         ErrorKind::NotFound => Status::not_found(m),
-        ErrorKind::NotSupported => Status::failed_precondition(m),
+        ErrorKind::NotSupported
+        | ErrorKind::ReadOnly
+        | ErrorKind::InUse
+        | ErrorKind::NoQuorum
+        | ErrorKind::WrongState => Status::failed_precondition(m),
         ErrorKind::Closed => Status::unavailable(m),
         ErrorKind::Timeout => Status::deadline_exceeded(m),
-        ErrorKind::InUse => Status::failed_precondition(m),
-        ErrorKind::NoQuorum => Status::failed_precondition(m),
+        ErrorKind::NoSpace => Status::resource_exhausted(m),
+        ErrorKind::Corrupt => Status::data_loss(m),
+        // Io, Protocol, and kinds added later: the node's own failure.
         _ => Status::internal(m),
     }
 }

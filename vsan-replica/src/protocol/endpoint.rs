@@ -39,6 +39,11 @@ use crate::meta::{AL_EXTENT_SIZE, AL_SLOTS, Bitmap, Layout, Loaded, Superblock, 
 mod freshness;
 mod sync;
 
+/// An operator's request refused in the endpoint's current state (the text says why).
+fn refused(why: impl Into<String>) -> vsan_core::Error {
+    vsan_core::Error::new(ErrorKind::WrongState, why)
+}
+
 use freshness::FreshnessState;
 pub use freshness::{Awaiting, Freshness, Proof, StartupPolicy};
 
@@ -2480,21 +2485,25 @@ impl Endpoint {
     /// Detach the local replica on the operator's request: I/O is served through the
     /// peer, which must be connected (nothing else would serve it), with no resync
     /// running.
-    pub fn detach_local(&mut self) -> Result<String, String> {
+    pub fn detach_local(&mut self, now: Instant) -> vsan_core::Result<String> {
         if self.detached {
-            return Err("the local replica is detached already".into());
+            return Err(refused("the local replica is detached already"));
         }
         if self.state != LinkState::Connected {
-            return Err("detaching needs the peer connected: it serves the I/O".into());
+            return Err(refused(
+                "detaching needs the peer connected: it serves the I/O",
+            ));
         }
         if let Some(s) = &self.sync {
-            return Err(format!("a {} is running; detach once it ends", s.kind));
+            return Err(refused(format!(
+                "a {} is running; detach once it ends",
+                s.kind
+            )));
         }
         let peer = self.cfg.peer_id;
         // Writes from now on reach the peer only: the replica is marked, durably, as
         // needing a full resync, so a restart while detached cannot trust it.
         self.distrust_replica();
-        let now = self.last_tx.max(self.last_rx);
         self.send(now, Message::ReplicaDetached);
         self.detach(format!(
             "local replica detached by the operator; I/O is served by node {peer}"
@@ -2508,9 +2517,9 @@ impl Endpoint {
     /// detached, so it becomes the target of a full checksum resync from the peer at
     /// once (reads of chunks not synced yet go to the peer). Needs the peer connected,
     /// no resync running and working metadata.
-    pub fn attach_local(&mut self, now: Instant) -> Result<String, String> {
+    pub fn attach_local(&mut self, now: Instant) -> vsan_core::Result<String> {
         if !self.detached {
-            return Err("the local replica is attached".into());
+            return Err(refused("the local replica is attached"));
         }
         if self.detached_alone {
             // Nothing was written anywhere since it failed: it is taken back as it is.
@@ -2532,15 +2541,20 @@ impl Endpoint {
             );
         }
         if self.state != LinkState::Connected {
-            return Err(
-                "attaching needs the peer connected: the replica is resynced from it".into(),
-            );
+            return Err(refused(
+                "attaching needs the peer connected: the replica is resynced from it",
+            ));
         }
         if let Some(s) = &self.sync {
-            return Err(format!("a {} is running; attach once it ends", s.kind));
+            return Err(refused(format!(
+                "a {} is running; attach once it ends",
+                s.kind
+            )));
         }
         if self.meta.failed {
-            return Err("the replica's metadata failed: restart the node to attach it".into());
+            return Err(refused(
+                "the replica's metadata failed: restart the node to attach it",
+            ));
         }
         let peer = self.cfg.peer_id;
         self.detached = false;

@@ -199,7 +199,7 @@ fn an_unfinished_sync_target_cannot_be_declared_current() {
     let mut ep = Endpoint::new(c, meta, now);
     assert!(!ep.freshness().is_current());
     let err = ep.declare_current(now).unwrap_err();
-    assert!(err.contains("unfinished sync target"), "{err}");
+    assert!(err.to_string().contains("unfinished sync target"), "{err}");
 }
 
 #[test]

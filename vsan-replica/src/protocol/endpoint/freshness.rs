@@ -34,7 +34,7 @@ use std::time::Instant;
 use tracing::{info, warn};
 use vsan_core::ErrorKind;
 
-use super::{Endpoint, Event, LinkState, Remote};
+use super::{Endpoint, Event, LinkState, Remote, refused};
 
 /// What a node does at start when its peer does not connect within the connect timeout
 /// and no witness is configured.
@@ -294,29 +294,27 @@ impl Endpoint {
 
     /// An operator declares this replica current: it serves alone (degraded) until the
     /// peer connects. With a witness the quorum policy still decides whether it may.
-    pub fn declare_current(&mut self, now: Instant) -> Result<String, String> {
+    pub fn declare_current(&mut self, now: Instant) -> vsan_core::Result<String> {
         if self.is_current() {
-            return Err("the replica is proven current already".into());
+            return Err(refused("the replica is proven current already"));
         }
         if self.shutting_down {
-            return Err("this node is shutting down".into());
+            return Err(refused("this node is shutting down"));
         }
         if self.meta.sb.inconsistent {
-            return Err(
+            return Err(refused(
                 "the replica is an unfinished sync target: it holds no complete copy; \
-                 only the peer can complete it"
-                    .into(),
-            );
+                 only the peer can complete it",
+            ));
         }
         if self.discard_my_data {
-            return Err(
+            return Err(refused(
                 "discard-my-data is pending: this node's data is to be replaced by \
-                        the peer's"
-                    .into(),
-            );
+                        the peer's",
+            ));
         }
         if self.handshaking {
-            return Err("a handshake with the peer is running: it decides".into());
+            return Err(refused("a handshake with the peer is running: it decides"));
         }
         self.become_current(Proof::Operator);
         if self.state == LinkState::Waiting {

@@ -38,7 +38,9 @@ use bytes::Bytes;
 use tracing::{info, warn};
 use vsan_core::ErrorKind;
 
-use super::{Alone, ApplyKind, Endpoint, Event, LinkState, MetaWaiter, QuorumPolicy, ResyncRate};
+use super::{
+    Alone, ApplyKind, Endpoint, Event, LinkState, MetaWaiter, QuorumPolicy, ResyncRate, refused,
+};
 use crate::meta::Bitmap;
 use crate::protocol::message::{GEN_JUST_CREATED, Message, Status};
 use crate::protocol::ranges::{Range, subtract};
@@ -267,12 +269,12 @@ impl Endpoint {
     /// Start an online verify from this node: every chunk's crc is compared with the
     /// peer's while the disk stays in use; chunks that differ are marked out of sync
     /// and copied from this node. Fails when not connected or a resync runs.
-    pub fn start_verify(&mut self, now: Instant) -> Result<(), String> {
+    pub fn start_verify(&mut self, now: Instant) -> vsan_core::Result<()> {
         if self.state != LinkState::Connected {
-            return Err("verify needs a connected peer".into());
+            return Err(refused("verify needs a connected peer"));
         }
         if let Some(s) = &self.sync {
-            return Err(format!("a {} is running", s.kind));
+            return Err(refused(format!("a {} is running", s.kind)));
         }
         let mut run = SyncRun::new(SyncRole::Source, SyncKind::Verify, now);
         run.got_peer_bitmap = true;
@@ -291,7 +293,7 @@ impl Endpoint {
     /// Stop the online verify this node runs. Chunks it found different stay marked
     /// out of sync (their copy may have been cut short) and are copied at the next
     /// resync; replies still on the wire are ignored.
-    pub fn cancel_verify(&mut self, now: Instant) -> Result<String, String> {
+    pub fn cancel_verify(&mut self, now: Instant) -> vsan_core::Result<String> {
         match &self.sync {
             Some(s) if s.kind == SyncKind::Verify && s.role == SyncRole::Source => {
                 let (done, total) = (s.done_bytes, s.total_bytes);
@@ -300,11 +302,11 @@ impl Endpoint {
                     "online verify cancelled after {done} of {total} bytes"
                 ))
             }
-            Some(s) => Err(format!(
+            Some(s) => Err(refused(format!(
                 "no verify from this node runs (a {} runs as {:?})",
                 s.kind, s.role
-            )),
-            None => Err("no verify from this node runs".into()),
+            ))),
+            None => Err(refused("no verify from this node runs")),
         }
     }
 
