@@ -41,7 +41,7 @@ use std::fmt;
 
 use vsan_core::{IoFuture, Result};
 
-use crate::protocol::Message;
+use crate::wire::Message;
 
 pub mod lanes;
 pub mod loopback;

@@ -107,7 +107,7 @@ use vsan_core::{Error, ErrorKind, IoFuture, Result};
 
 use super::txqueue::{AcceptQueue, FrameQueue, remember};
 use super::{Link, LinkRx, LinkTx, Listener, QueueDepth, Transport};
-use crate::protocol::Message;
+use crate::wire::Message;
 use crate::wire::{self, Frame};
 
 /// The ALPN protocol both sides offer; a peer offering another is refused.
@@ -1947,7 +1947,7 @@ mod tests {
     use rand::{Rng, SeedableRng};
 
     use super::*;
-    use crate::protocol::WritePayload;
+    use crate::wire::WritePayload;
 
     const WAIT: Duration = Duration::from_secs(10);
 
@@ -2071,7 +2071,7 @@ mod tests {
         let mut whole = BytesMut::new();
         let reply = Message::ReadReply {
             id: 1,
-            status: crate::protocol::Status::Ok,
+            status: crate::wire::Status::Ok,
             data: block(1),
         };
         wire::encode_into(&reply, &mut whole).unwrap();

@@ -59,7 +59,7 @@ use vsan_core::{Error, ErrorKind, IoFuture, Result};
 use super::auth::{self, Role};
 use super::txqueue::{AcceptQueue, FrameQueue, remember};
 use super::{Link, LinkRx, LinkTx, Listener, QueueDepth, Transport};
-use crate::protocol::Message;
+use crate::wire::Message;
 use crate::wire::{self, Frame};
 
 /// Most slices handed to one vectored write.

@@ -142,9 +142,9 @@ use tokio::sync::{Notify, mpsc};
 use tokio::task::{JoinHandle, JoinSet};
 use vsan_core::{Error, ErrorKind, IoFuture, Result};
 
-use crate::protocol::Message;
 use crate::transport::txqueue::{AcceptQueue, FrameQueue, remember};
 use crate::transport::{Link, LinkRx, LinkTx, Listener, QueueDepth, Transport};
+use crate::wire::Message;
 use crate::wire::{self, Frame};
 
 /// The smallest ring [`ShmConfig::ring_size`] may ask for (and an acceptor accepts).

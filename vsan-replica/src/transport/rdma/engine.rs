@@ -8,8 +8,8 @@ use std::collections::VecDeque;
 use bytes::{Buf, Bytes, BytesMut};
 use vsan_core::{Error, ErrorKind, Result};
 
-use crate::protocol::Message;
 use crate::transport::QueueDepth;
+use crate::wire::Message;
 use crate::wire::{self, Frame};
 
 /// Bytes of the header in front of every chunk.
