@@ -105,10 +105,11 @@ use tokio::sync::{Notify, mpsc};
 use tokio::task::{JoinHandle, JoinSet};
 use vsan_core::{Error, ErrorKind, IoFuture, Result};
 
-use super::txqueue::{AcceptQueue, FrameQueue, remember};
-use super::{Link, LinkRx, LinkTx, Listener, QueueDepth, Transport};
+use super::accept::AcceptQueue;
+use super::stream_tx::{StreamSink, StreamTx};
+use super::{Link, LinkRx, Listener, Transport, remember};
+use crate::wire;
 use crate::wire::Message;
-use crate::wire::{self, Frame};
 
 /// The ALPN protocol both sides offer; a peer offering another is refused.
 pub const ALPN: &[u8] = b"vsan-replica/1";
@@ -1491,18 +1492,18 @@ fn make_link(
         _endpoint: endpoint,
         fatal: Mutex::new(None),
     });
-    let shared = Arc::new(TxShared {
+    let sink = QuicSink {
         link: Arc::clone(&link),
-        state: Mutex::new(TxState::default()),
-        work: Notify::new(),
-        progress: Notify::new(),
+        send: Mutex::new(Some(send)),
         abandon: Notify::new(),
-        limit: config.send_queue_limit,
-        close_timeout: config.close_timeout,
         peer: peer.clone(),
-    });
-    let writer = tokio::spawn(write_loop(Arc::clone(&shared), send));
-    let tx = QuicTx { shared, writer };
+    };
+    let tx = StreamTx::new(
+        sink,
+        peer.clone(),
+        config.send_queue_limit,
+        config.close_timeout,
+    );
     let rx = QuicRx {
         link,
         recv,
@@ -1513,342 +1514,114 @@ fn make_link(
     Link::new(Box::new(tx), Box::new(rx))
 }
 
-#[derive(Debug, Default)]
-struct TxState {
-    /// Frames not yet written, and the first error.
-    q: FrameQueue,
-    /// `close` was called: no more sends.
-    closing: bool,
-    /// The stream is finished and the peer acknowledged all of it.
-    closed: bool,
-}
-
-impl TxState {
-    /// Records the first error and drops what is queued; returns the error.
-    /// Records the failure and drops what is queued (nothing more will be sent).
-    fn fail(&mut self, err: Error) -> Error {
-        let err = self.q.fail(err);
-        self.q = FrameQueue {
-            failed: self.q.failed.take(),
-            ..FrameQueue::default()
-        };
-        err
-    }
-}
-
+/// The QUIC end of a link's sending half: the link's one stream.
 #[derive(Debug)]
-struct TxShared {
+struct QuicSink {
     link: Arc<LinkShared>,
-    state: Mutex<TxState>,
-    /// Wakes the writer task: frames queued, or `close` called.
-    work: Notify,
-    /// Wakes senders waiting for room and `close` waiting for the stream to end.
-    progress: Notify,
-    /// Tells the writer to reset the stream and stop (`close` timed out).
+    /// The stream; the writer task takes it out while it writes.
+    send: Mutex<Option<SendStream>>,
+    /// Tells a writer in the middle of a write to reset the stream (`close` timed out).
     abandon: Notify,
-    limit: usize,
-    close_timeout: Duration,
     peer: String,
 }
 
-impl TxShared {
-    /// Queues `frames` together, in order. Returns whether the queue is now above the
-    /// limit.
-    fn enqueue(&self, frames: Vec<Frame>) -> Result<bool> {
-        {
-            let st = self.state.lock();
-            st.q.check_failed()?;
-            if st.closing {
-                return Err(Error::new(
-                    ErrorKind::Closed,
-                    format!("{}: send: link closed by this side", self.peer),
-                ));
-            }
+impl StreamSink for QuicSink {
+    const TRANSPORT: &'static str = "quic";
+    /// quinn's writes are async only: every frame goes through the writer task.
+    const WRITES_INLINE: bool = false;
+    const FAILURE_DROPS_QUEUE: bool = true;
+    const CLOSE_UNDONE: &'static str = "sent and acknowledged";
+
+    fn batch_limits(&self) -> (usize, usize) {
+        (MAX_CHUNKS, MAX_BATCH_BYTES)
+    }
+
+    fn check_link(&self) -> Result<()> {
+        match self.link.ended(|| format!("{}: send", self.peer)) {
+            Some((kind, text)) => Err(Error::new(kind, text)),
+            None => Ok(()),
         }
-        if let Some((kind, text)) = self.link.ended(|| format!("{}: send", self.peer)) {
-            let err = self.state.lock().fail(Error::new(kind, text));
-            self.progress.notify_waiters();
-            return Err(err);
-        }
-        let mut st = self.state.lock();
-        st.q.check_failed()?;
-        // REVIEW FIX: `close` may have run since the check above.
-        if st.closing {
+    }
+
+    async fn write(&self, batch: &mut [Bytes]) -> Result<usize> {
+        let taken = self.send.lock().take();
+        let Some(mut send) = taken else {
             return Err(Error::new(
                 ErrorKind::Closed,
-                format!("{}: send: link closed by this side", self.peer),
+                format!("{}: send: the stream is gone", self.peer),
             ));
-        }
-        for f in frames {
-            st.q.push(f);
-        }
-        let over = st.q.bytes > self.limit;
-        drop(st);
-        self.work.notify_one();
-        Ok(over)
-    }
-
-    /// Waits until the queue is at most the limit.
-    async fn wait_for_room(&self) -> Result<()> {
-        loop {
-            let progress = self.progress.notified();
-            tokio::pin!(progress);
-            progress.as_mut().enable();
-            {
-                let st = self.state.lock();
-                st.q.check_failed()?;
-                if st.q.bytes <= self.limit {
-                    return Ok(());
-                }
+        };
+        let written = tokio::select! {
+            biased;
+            () = self.abandon.notified() => {
+                let _ = send.reset(VarInt::from_u32(CODE_ABANDONED));
+                *self.send.lock() = Some(send);
+                return Err(Error::new(
+                    ErrorKind::Closed,
+                    format!("{}: send: abandoned", self.peer),
+                ));
             }
-            progress.await;
+            written = send.write_chunks(batch) => written,
+        };
+        *self.send.lock() = Some(send);
+        match written {
+            Ok(w) => Ok(w.bytes),
+            Err(e) => Err(write_error(&e, &format!("{}: send", self.peer))),
         }
     }
 
-    fn encode(&self, msg: &Message) -> Result<Frame> {
-        wire::encode(msg).map_err(|e| {
-            Error::with_source(
-                ErrorKind::InvalidArgument,
-                format!("{}: send", self.peer),
-                e,
-            )
-        })
+    fn shut(&self) -> Result<()> {
+        if let Some(send) = &mut *self.send.lock() {
+            // Harmless when already finished.
+            let _ = send.finish();
+        }
+        Ok(())
     }
-}
 
-/// What the writer does next.
-enum Step {
-    Write,
-    Finish,
-    Wait,
-    Stop,
-}
-
-/// Hands queued frames to quinn, many per write; finishes the stream when `close` asks.
-async fn write_loop(shared: Arc<TxShared>, mut send: SendStream) {
-    let mut chunks: Vec<Bytes> = Vec::with_capacity(MAX_CHUNKS);
-    let what = format!("{}: send", shared.peer);
-    loop {
-        chunks.clear();
-        let step = {
-            let st = shared.state.lock();
-            if st.q.failed.is_some() || st.closed {
-                Step::Stop
-            } else if st.q.frames.is_empty() {
-                if st.closing { Step::Finish } else { Step::Wait }
-            } else {
-                let mut skip = st.q.front_written;
-                let mut bytes = 0;
-                for frame in &st.q.frames {
-                    for part in [frame.head(), frame.data()] {
-                        if skip >= part.len() {
-                            skip -= part.len();
-                            continue;
-                        }
-                        let rest = part.slice(skip..);
-                        skip = 0;
-                        bytes += rest.len();
-                        chunks.push(rest);
-                    }
-                    if chunks.len() + 2 > MAX_CHUNKS || bytes >= MAX_BATCH_BYTES {
-                        break;
-                    }
-                }
-                Step::Write
+    /// Waits until the peer has acknowledged the whole stream.
+    async fn flushed(&self) -> Result<()> {
+        let stopped = match &*self.send.lock() {
+            Some(send) => send.stopped(),
+            None => {
+                return Err(Error::new(
+                    ErrorKind::Closed,
+                    format!("{}: close: the stream is gone", self.peer),
+                ));
             }
         };
-        match step {
-            Step::Stop => return,
-            Step::Wait => {
-                tokio::select! {
-                    biased;
-                    () = shared.abandon.notified() => {
-                        let _ = send.reset(VarInt::from_u32(CODE_ABANDONED));
-                        return;
-                    }
-                    () = shared.work.notified() => {}
-                }
-            }
-            Step::Write => {
-                let written = tokio::select! {
-                    biased;
-                    () = shared.abandon.notified() => {
-                        let _ = send.reset(VarInt::from_u32(CODE_ABANDONED));
-                        return;
-                    }
-                    written = send.write_chunks(&mut chunks) => written,
-                };
-                let mut st = shared.state.lock();
-                match written {
-                    Ok(w) => st.q.advance(w.bytes),
-                    Err(e) => {
-                        st.fail(write_error(&e, &what));
-                        drop(st);
-                        shared.progress.notify_waiters();
-                        return;
-                    }
-                }
-                let wake = st.q.bytes <= shared.limit || st.q.frames.is_empty();
-                drop(st);
-                if wake {
-                    shared.progress.notify_waiters();
-                }
-            }
-            Step::Finish => {
-                // Harmless when already finished.
-                let _ = send.finish();
-                let acked = tokio::select! {
-                    biased;
-                    () = shared.abandon.notified() => {
-                        let _ = send.reset(VarInt::from_u32(CODE_ABANDONED));
-                        return;
-                    }
-                    acked = send.stopped() => acked,
-                };
-                let mut st = shared.state.lock();
-                match acked {
-                    Ok(None) => st.closed = true,
-                    Ok(Some(code)) => {
-                        st.fail(Error::new(
-                            ErrorKind::Closed,
-                            format!(
-                                "{}: close: the peer stopped reading the link before it \
-                                 had everything (code {code})",
-                                shared.peer
-                            ),
-                        ));
-                    }
-                    // The peer dropped the link normally after this side finished; what
-                    // it did not read, it did not want.
-                    Err(StoppedError::ConnectionLost(ConnectionError::ApplicationClosed(
-                        close,
-                    ))) if close.error_code.into_inner() == u64::from(CODE_DONE) => {
-                        st.closed = true;
-                    }
-                    Err(StoppedError::ConnectionLost(e)) => {
-                        st.fail(connection_error(&e, &format!("{}: close", shared.peer)));
-                    }
-                    Err(e @ StoppedError::ZeroRttRejected) => {
-                        st.fail(Error::new(
-                            ErrorKind::Protocol,
-                            format!("{}: close: {e}", shared.peer),
-                        ));
-                    }
-                }
-                drop(st);
-                shared.progress.notify_waiters();
-                return;
-            }
-        }
-    }
-}
-
-/// The sending half of a QUIC link.
-#[derive(Debug)]
-struct QuicTx {
-    shared: Arc<TxShared>,
-    writer: JoinHandle<()>,
-}
-
-impl LinkTx for QuicTx {
-    fn send(&self, msg: Message) -> IoFuture<'_, ()> {
-        Box::pin(async move {
-            let frame = self.shared.encode(&msg)?;
-            if self.shared.enqueue(vec![frame])? {
-                self.shared.wait_for_room().await?;
-            }
-            Ok(())
-        })
-    }
-
-    fn send_batch(&self, msgs: Vec<Message>) -> IoFuture<'_, ()> {
-        Box::pin(async move {
-            let frames = msgs
-                .iter()
-                .map(|m| self.shared.encode(m))
-                .collect::<Result<Vec<_>>>()?;
-            if self.shared.enqueue(frames)? {
-                self.shared.wait_for_room().await?;
-            }
-            Ok(())
-        })
-    }
-
-    fn queue_depth(&self) -> QueueDepth {
-        let st = self.shared.state.lock();
-        QueueDepth {
-            messages: st.q.frames.len(),
-            bytes: st.q.bytes,
-        }
-    }
-
-    fn close(&self) -> IoFuture<'_, ()> {
-        Box::pin(async move {
-            let shared = &self.shared;
+        match stopped.await {
+            Ok(None) => Ok(()),
+            Ok(Some(code)) => Err(Error::new(
+                ErrorKind::Closed,
+                format!(
+                    "{}: close: the peer stopped reading the link before it \
+                     had everything (code {code})",
+                    self.peer
+                ),
+            )),
+            // The peer dropped the link normally after this side finished; what it did
+            // not read, it did not want.
+            Err(StoppedError::ConnectionLost(ConnectionError::ApplicationClosed(close)))
+                if close.error_code.into_inner() == u64::from(CODE_DONE) =>
             {
-                let mut st = shared.state.lock();
-                if st.closed {
-                    return Ok(());
-                }
-                st.q.check_failed()?;
-                st.closing = true;
+                Ok(())
             }
-            shared.work.notify_one();
-            let done = async {
-                loop {
-                    let progress = shared.progress.notified();
-                    tokio::pin!(progress);
-                    progress.as_mut().enable();
-                    {
-                        let st = shared.state.lock();
-                        st.q.check_failed()?;
-                        if st.closed {
-                            return Ok(());
-                        }
-                    }
-                    progress.await;
-                }
-            };
-            match tokio::time::timeout(shared.close_timeout, done).await {
-                Ok(result) => result,
-                Err(_) => {
-                    let err = {
-                        let mut st = shared.state.lock();
-                        let err = Error::new(
-                            ErrorKind::Timeout,
-                            format!(
-                                "{}: close: {} queued bytes not sent and acknowledged within {:?}",
-                                shared.peer, st.q.bytes, shared.close_timeout
-                            ),
-                        );
-                        st.fail(err)
-                    };
-                    shared.abandon.notify_one();
-                    shared.progress.notify_waiters();
-                    Err(err)
-                }
+            Err(StoppedError::ConnectionLost(e)) => {
+                Err(connection_error(&e, &format!("{}: close", self.peer)))
             }
-        })
+            Err(e @ StoppedError::ZeroRttRejected) => Err(Error::new(
+                ErrorKind::Protocol,
+                format!("{}: close: {e}", self.peer),
+            )),
+        }
     }
 
-    fn peer(&self) -> &str {
-        &self.shared.peer
-    }
-
-    fn transport(&self) -> &str {
-        "quic"
-    }
-}
-
-impl Drop for QuicTx {
-    fn drop(&mut self) {
-        // The writer's stream goes with it: quinn finishes it, so the peer sees the
-        // link end while this side's receive half lives.
-        self.writer.abort();
-        let mut st = self.shared.state.lock();
-        st.closing = true;
-        st.q.frames.clear();
-        st.q.bytes = 0;
+    fn abandon(&self) {
+        // A writer in the middle of a write holds the stream; it resets it itself.
+        self.abandon.notify_one();
+        if let Some(send) = &mut *self.send.lock() {
+            let _ = send.reset(VarInt::from_u32(CODE_ABANDONED));
+        }
     }
 }
 

@@ -138,12 +138,13 @@ use socket2::SockRef;
 use tokio::io::Interest;
 use tokio::io::unix::AsyncFd;
 use tokio::net::{UnixListener, UnixStream};
-use tokio::sync::{Notify, mpsc};
+use tokio::sync::mpsc;
 use tokio::task::{JoinHandle, JoinSet};
 use vsan_core::{Error, ErrorKind, IoFuture, Result};
 
-use crate::transport::txqueue::{AcceptQueue, FrameQueue, remember};
-use crate::transport::{Link, LinkRx, LinkTx, Listener, QueueDepth, Transport};
+use crate::transport::accept::AcceptQueue;
+use crate::transport::stream_tx::{StreamSink, StreamTx, frame_parts};
+use crate::transport::{Link, LinkRx, Listener, Transport, remember};
 use crate::wire::Message;
 use crate::wire::{self, Frame};
 
@@ -1472,17 +1473,17 @@ async fn spin_until(budget: Duration, mut ready: impl FnMut() -> bool) -> bool {
 
 fn link_over(conn: Conn, config: &ShmConfig) -> Link {
     let conn = Arc::new(conn);
-    let shared = Arc::new(TxShared {
+    let sink = ShmSink {
         ring: conn.tx_ring.clone(),
         conn: Arc::clone(&conn),
-        state: Mutex::new(TxState::default()),
         tail: AtomicU64::new(0),
-        work: Notify::new(),
-        progress: Notify::new(),
-        limit: config.send_queue_limit,
-        close_timeout: config.close_timeout,
-    });
-    let writer = tokio::spawn(write_loop(Arc::clone(&shared)));
+    };
+    let tx = StreamTx::new(
+        sink,
+        conn.peer.clone(),
+        config.send_queue_limit,
+        config.close_timeout,
+    );
     let rx = ShmRx {
         ring: conn.rx_ring.clone(),
         conn,
@@ -1490,100 +1491,28 @@ fn link_over(conn: Conn, config: &ShmConfig) -> Link {
         buf: BytesMut::new(),
         failed: None,
     };
-    Link::new(Box::new(ShmTx { shared, writer }), Box::new(rx))
+    Link::new(Box::new(tx), Box::new(rx))
 }
 
 // ----- sending -----
 
-/// Who may write into the ring right now; exactly one writer keeps frames in order.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-enum Writer {
-    /// Nobody: the queue is empty and the next `send` writes directly.
-    #[default]
-    Idle,
-    /// A `send` is copying its frames into the ring directly.
-    Inline,
-    /// The writer task is draining the queue.
-    Task,
-}
-
-#[derive(Debug, Default)]
-struct TxState {
-    /// Frames not yet written, and the first error.
-    q: FrameQueue,
-    writer: Writer,
-    /// `close` was called (or the half dropped): no more sends.
-    closing: bool,
-    /// The ring's "closed" has been set.
-    shut: bool,
-}
-
-/// The parts of `frames` after their first `skip` bytes, in order.
-fn frame_parts<'f>(
-    frames: impl IntoIterator<Item = &'f Frame>,
-    mut skip: usize,
-) -> impl Iterator<Item = &'f [u8]> {
-    frames
-        .into_iter()
-        .flat_map(|f| [&f.head()[..], &f.data()[..]])
-        .filter_map(move |part| {
-            if skip >= part.len() {
-                skip -= part.len();
-                None
-            } else {
-                let rest = &part[skip..];
-                skip = 0;
-                Some(rest)
-            }
-        })
-}
-
+/// The shared-memory end of a link's sending half: the ring this side writes.
 #[derive(Debug)]
-struct TxShared {
+struct ShmSink {
     conn: Arc<Conn>,
     ring: Ring,
-    state: Mutex<TxState>,
     /// This side's tail, in private memory; only the current writer touches it.
     tail: AtomicU64,
-    /// Wakes the writer task when it owns a non-empty queue.
-    work: Notify,
-    /// Wakes senders waiting for room and `close` waiting for the queue to drain.
-    progress: Notify,
-    limit: usize,
-    close_timeout: Duration,
 }
 
-impl TxShared {
+impl ShmSink {
     fn peer(&self) -> &str {
         &self.conn.peer
     }
 
-    /// Fails when the link can no longer carry what is sent.
-    fn check_link(&self) -> Result<()> {
-        self.conn.check_up()?;
-        if self.ring.consumer_gone().load(Ordering::Acquire) != 0 {
-            return Err(Error::new(
-                ErrorKind::Closed,
-                format!("{}: send: the peer no longer receives", self.peer()),
-            ));
-        }
-        Ok(())
-    }
-
-    fn check_open(&self, st: &TxState) -> Result<()> {
-        st.q.check_failed()?;
-        if st.closing {
-            return Err(Error::new(
-                ErrorKind::Closed,
-                format!("{}: send: link closed by this side", self.peer()),
-            ));
-        }
-        self.check_link()
-    }
-
     /// Copies as many bytes of `parts` as the ring has room for, publishes them and wakes
     /// the peer if it sleeps; returns how many. Only the current writer calls this.
-    fn write_now<'p>(&self, parts: impl Iterator<Item = &'p [u8]>) -> Result<usize> {
+    fn write_parts<'p>(&self, parts: impl Iterator<Item = &'p [u8]>) -> Result<usize> {
         let tail = self.tail.load(Ordering::Relaxed);
         let mut room = match self.ring.room(tail) {
             Ok(room) => room as usize,
@@ -1616,77 +1545,6 @@ impl TxShared {
         Ok(done)
     }
 
-    /// Queues `frames` in order, copying as many as fit into the ring at once when no
-    /// other writer is active. Returns whether the queue is now above the limit.
-    fn enqueue_many(&self, frames: Vec<Frame>) -> Result<bool> {
-        let mut st = self.state.lock();
-        self.check_open(&st)?;
-        if st.writer != Writer::Idle {
-            for f in frames {
-                st.q.push(f);
-            }
-            return Ok(st.q.bytes > self.limit);
-        }
-        // Idle means the queue is empty: these frames are next in the ring.
-        st.writer = Writer::Inline;
-        drop(st);
-        let written = self.write_now(frame_parts(&frames, 0));
-        let mut st = self.state.lock();
-        match written {
-            Ok(mut n) => {
-                // Frames queued meanwhile go after these.
-                let mut rest = Vec::new();
-                for f in frames {
-                    if n >= f.len() {
-                        n -= f.len();
-                    } else {
-                        rest.push((f, n));
-                        n = 0;
-                    }
-                }
-                for (f, partial) in rest.into_iter().rev() {
-                    st.q.bytes += f.len() - partial;
-                    st.q.frames.push_front(f);
-                    st.q.front_written = partial;
-                }
-            }
-            Err(e) => {
-                st.writer = Writer::Idle;
-                let err = st.q.fail(e);
-                drop(st);
-                self.progress.notify_waiters();
-                return Err(err);
-            }
-        }
-        if st.q.frames.is_empty() {
-            st.writer = Writer::Idle;
-            if st.closing {
-                self.progress.notify_waiters();
-            }
-        } else {
-            st.writer = Writer::Task;
-            self.work.notify_one();
-        }
-        Ok(st.q.bytes > self.limit)
-    }
-
-    /// Waits until the queue is at most the limit.
-    async fn wait_for_room(&self) -> Result<()> {
-        loop {
-            let progress = self.progress.notified();
-            tokio::pin!(progress);
-            progress.as_mut().enable();
-            {
-                let st = self.state.lock();
-                st.q.check_failed()?;
-                if st.q.bytes <= self.limit {
-                    return Ok(());
-                }
-            }
-            progress.await;
-        }
-    }
-
     /// Whether the ring has room (errors count as ready: the caller sees them next).
     fn ring_has_room(&self) -> bool {
         let tail = self.tail.load(Ordering::Relaxed);
@@ -1716,211 +1574,60 @@ impl TxShared {
             sleeping.store(0, Ordering::Relaxed);
         }
     }
-
-    /// Marks the ring closed and wakes the peer (once).
-    fn shut(&self, st: &mut TxState) {
-        if !std::mem::replace(&mut st.shut, true) {
-            self.ring.closed().store(1, Ordering::Release);
-            ring_bell(&self.conn.peer_data);
-        }
-    }
 }
 
-/// Drains the queue into the ring whenever `enqueue_many` hands it over.
-async fn write_loop(shared: Arc<TxShared>) {
-    let mut batch: Vec<Bytes> = Vec::with_capacity(MAX_BATCH_PARTS);
-    let max_bytes = MAX_BATCH_BYTES.min(shared.ring.size() as usize);
-    loop {
-        shared.work.notified().await;
+impl StreamSink for ShmSink {
+    const TRANSPORT: &'static str = "shm";
+    const WRITES_INLINE: bool = true;
+    const FAILURE_DROPS_QUEUE: bool = false;
+    const CLOSE_UNDONE: &'static str = "sent";
+
+    fn batch_limits(&self) -> (usize, usize) {
+        (
+            MAX_BATCH_PARTS,
+            MAX_BATCH_BYTES.min(self.ring.size() as usize),
+        )
+    }
+
+    /// Fails when the link can no longer carry what is sent.
+    fn check_link(&self) -> Result<()> {
+        self.conn.check_up()?;
+        if self.ring.consumer_gone().load(Ordering::Acquire) != 0 {
+            return Err(Error::new(
+                ErrorKind::Closed,
+                format!("{}: send: the peer no longer receives", self.peer()),
+            ));
+        }
+        Ok(())
+    }
+
+    fn write_now(&self, frames: &[Frame]) -> Result<usize> {
+        self.write_parts(frame_parts(frames, 0))
+    }
+
+    async fn write(&self, batch: &mut [Bytes]) -> Result<usize> {
         loop {
-            batch.clear();
-            {
-                let mut st = shared.state.lock();
-                if st.writer != Writer::Task || st.q.failed.is_some() {
-                    break;
-                }
-                let mut skip = st.q.front_written;
-                let mut bytes = 0;
-                for frame in &st.q.frames {
-                    for part in [frame.head(), frame.data()] {
-                        if skip >= part.len() {
-                            skip -= part.len();
-                            continue;
-                        }
-                        bytes += part.len() - skip;
-                        batch.push(part.slice(skip..));
-                        skip = 0;
-                    }
-                    if batch.len() + 2 > MAX_BATCH_PARTS || bytes >= max_bytes {
-                        break;
-                    }
-                }
-                if batch.is_empty() {
-                    st.writer = Writer::Idle;
-                    drop(st);
-                    shared.progress.notify_waiters();
-                    break;
-                }
+            let n = self.write_parts(batch.iter().map(|b| &b[..]))?;
+            if n > 0 {
+                return Ok(n);
             }
-            let written = shared.write_now(batch.iter().map(|b| &b[..]));
-            let (idle, full) = {
-                let mut st = shared.state.lock();
-                match written {
-                    Ok(n) => {
-                        st.q.advance(n);
-                        let idle = st.q.frames.is_empty();
-                        if idle {
-                            st.writer = Writer::Idle;
-                        }
-                        if idle || (n > 0 && st.q.bytes <= shared.limit) {
-                            shared.progress.notify_waiters();
-                        }
-                        (idle, n == 0)
-                    }
-                    Err(e) => {
-                        st.writer = Writer::Idle;
-                        st.q.fail(e);
-                        shared.progress.notify_waiters();
-                        (true, false)
-                    }
-                }
-            };
-            if idle {
-                break;
-            }
-            if full {
-                if let Err(e) = shared.wait_for_ring().await {
-                    {
-                        let mut st = shared.state.lock();
-                        st.writer = Writer::Idle;
-                        st.q.fail(e);
-                    }
-                    shared.progress.notify_waiters();
-                    break;
-                }
-            }
-        }
-    }
-}
-
-/// The sending half of a shared-memory link.
-#[derive(Debug)]
-struct ShmTx {
-    shared: Arc<TxShared>,
-    writer: JoinHandle<()>,
-}
-
-impl ShmTx {
-    fn encode(&self, msg: &Message) -> Result<Frame> {
-        wire::encode(msg).map_err(|e| {
-            Error::with_source(
-                ErrorKind::InvalidArgument,
-                format!("{}: send", self.shared.peer()),
-                e,
-            )
-        })
-    }
-}
-
-impl LinkTx for ShmTx {
-    fn send(&self, msg: Message) -> IoFuture<'_, ()> {
-        Box::pin(async move {
-            let frame = self.encode(&msg)?;
-            if self.shared.enqueue_many(vec![frame])? {
-                self.shared.wait_for_room().await?;
-            }
-            Ok(())
-        })
-    }
-
-    fn send_batch(&self, msgs: Vec<Message>) -> IoFuture<'_, ()> {
-        Box::pin(async move {
-            let mut frames = Vec::with_capacity(msgs.len());
-            for msg in &msgs {
-                frames.push(self.encode(msg)?);
-            }
-            if frames.is_empty() {
-                return Ok(());
-            }
-            if self.shared.enqueue_many(frames)? {
-                self.shared.wait_for_room().await?;
-            }
-            Ok(())
-        })
-    }
-
-    fn queue_depth(&self) -> QueueDepth {
-        let st = self.shared.state.lock();
-        QueueDepth {
-            messages: st.q.frames.len(),
-            bytes: st.q.bytes,
+            self.wait_for_ring().await?;
         }
     }
 
-    fn close(&self) -> IoFuture<'_, ()> {
-        Box::pin(async move {
-            let shared = &self.shared;
-            shared.state.lock().closing = true;
-            let drained = async {
-                loop {
-                    let progress = shared.progress.notified();
-                    tokio::pin!(progress);
-                    progress.as_mut().enable();
-                    {
-                        let mut st = shared.state.lock();
-                        st.q.check_failed()?;
-                        if st.writer == Writer::Idle && st.q.frames.is_empty() {
-                            shared.shut(&mut st);
-                            return Ok(());
-                        }
-                    }
-                    progress.await;
-                }
-            };
-            match tokio::time::timeout(shared.close_timeout, drained).await {
-                Ok(result) => result,
-                Err(_) => {
-                    // The peer is not reading: give up on what is queued, and on the link.
-                    let err = {
-                        let mut st = shared.state.lock();
-                        let err = Error::new(
-                            ErrorKind::Timeout,
-                            format!(
-                                "{}: close: {} queued bytes not sent within {:?}",
-                                shared.peer(),
-                                st.q.bytes,
-                                shared.close_timeout
-                            ),
-                        );
-                        st.q.fail(err)
-                    };
-                    shared.conn.tear_down(&Error::new(
-                        ErrorKind::Closed,
-                        format!("{}: link closed by this side", shared.peer()),
-                    ));
-                    shared.progress.notify_waiters();
-                    Err(err)
-                }
-            }
-        })
+    /// Marks the ring closed and wakes the peer.
+    fn shut(&self) -> Result<()> {
+        self.ring.closed().store(1, Ordering::Release);
+        ring_bell(&self.conn.peer_data);
+        Ok(())
     }
 
-    fn peer(&self) -> &str {
-        self.shared.peer()
-    }
-
-    fn transport(&self) -> &str {
-        "shm"
-    }
-}
-
-impl Drop for ShmTx {
-    fn drop(&mut self) {
-        self.writer.abort();
-        let mut st = self.shared.state.lock();
-        st.closing = true;
-        // The peer sees the end of this direction even while our receiving half lives.
-        self.shared.shut(&mut st);
+    /// Gives up on the link as a whole.
+    fn abandon(&self) {
+        self.conn.tear_down(&Error::new(
+            ErrorKind::Closed,
+            format!("{}: link closed by this side", self.peer()),
+        ));
     }
 }
 
