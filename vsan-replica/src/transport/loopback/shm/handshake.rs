@@ -337,10 +337,13 @@ pub(super) async fn accept_with(
             // Best effort: tell the peer why before hanging up.
             let _ = tokio::time::timeout(
                 Duration::from_millis(100),
-                send_handshake(&stream, &reply(REPLY_REFUSED, &reason), &[]),
+                send_handshake(&stream, &reply(REPLY_REFUSED, reason.context()), &[]),
             )
             .await;
-            return Err(protocol(&peer, format!("refused the link: {reason}")));
+            return Err(protocol(
+                &peer,
+                format!("refused the link: {}", reason.context()),
+            ));
         }
     };
     let (data_wait, data_give) = doorbell().map_err(io_err)?;
@@ -375,25 +378,27 @@ pub(super) fn check_hello(
     hello: &[u8],
     fds: &mut Vec<OwnedFd>,
     truncated: bool,
-) -> std::result::Result<(Region, OwnedFd, OwnedFd), String> {
+) -> Result<(Region, OwnedFd, OwnedFd)> {
     if hello[0..8] != HANDSHAKE_MAGIC {
-        return Err("not a vsan shm hello".into());
+        return Err(refused("not a vsan shm hello"));
     }
     let version = u32_at(hello, 8);
     if version != SHM_VERSION {
-        return Err(format!(
+        return Err(refused(format!(
             "handshake version {version}, this side speaks {SHM_VERSION}"
-        ));
+        )));
     }
     if truncated || fds.len() != HELLO_FDS {
-        return Err(format!(
+        return Err(refused(format!(
             "{} descriptors came with the hello, expected {HELLO_FDS}",
             fds.len()
-        ));
+        )));
     }
     // Unix sockets only (their close never blocks; a TCP socket's may linger).
     if !is_unix_socket(&fds[1]) || !is_unix_socket(&fds[2]) {
-        return Err("the doorbells are not sockets (of the Unix domain)".into());
+        return Err(refused(
+            "the doorbells are not sockets (of the Unix domain)",
+        ));
     }
     let file = File::from(fds.remove(0));
     match Region::open(&file) {
@@ -456,4 +461,10 @@ impl Drop for PeerFds {
     fn drop(&mut self) {
         reap(std::mem::take(&mut self.0));
     }
+}
+
+/// Why the acceptor refuses a hello: the peer broke the protocol. The text is the reason
+/// the peer is told.
+fn refused(why: impl Into<String>) -> Error {
+    Error::new(ErrorKind::Protocol, why)
 }

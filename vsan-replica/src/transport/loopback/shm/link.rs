@@ -239,7 +239,7 @@ impl ShmSink {
         let mut room = match self.ring.room(tail) {
             Ok(room) => room as usize,
             Err(why) => {
-                let err = protocol(self.peer(), why);
+                let err = why.context_prefix(self.peer());
                 self.conn.tear_down(&err);
                 return Err(err);
             }
@@ -396,7 +396,7 @@ impl ShmRx {
         let (avail, tail) = match self.ring.available(self.head) {
             Ok(found) => found,
             Err(why) => {
-                let err = protocol(&self.conn.peer, why);
+                let err = why.context_prefix(&self.conn.peer);
                 self.conn.tear_down(&err);
                 return Err(self.fail(err));
             }

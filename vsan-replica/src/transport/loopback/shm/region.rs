@@ -10,6 +10,7 @@ use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicU32, AtomicU64};
 
 use memmap2::{MmapOptions, MmapRaw};
+use vsan_core::{Error, ErrorKind, Result};
 
 use super::{
     MAX_RING_SIZE, MIN_RING_SIZE, OFF_CONTROL, OFF_RING_SIZE, SHM_HEADER_LEN, SHM_MAGIC,
@@ -71,58 +72,59 @@ impl Region {
 
     /// The acceptor's side: checks and maps the memory the peer handed over. The error is
     /// the reason to give the peer.
-    pub(super) fn open(file: &File) -> std::result::Result<Region, String> {
+    pub(super) fn open(file: &File) -> Result<Region> {
         // Only a tmpfs memfd sealed against shrinking, checked before any read: a read of
         // another kind of file may block a runtime thread, and a hugetlbfs page the peer
         // punches out cannot be faulted back in (SIGBUS).
         let seals = get_seals(file.as_fd())
-            .map_err(|e| format!("the shared memory is not a sealable memfd: {e}"))?;
+            .map_err(|e| refused(format!("the shared memory is not a sealable memfd: {e}")))?;
         if seals & libc::F_SEAL_SHRINK == 0 {
-            return Err("the shared memory is not sealed against shrinking".into());
+            return Err(refused("the shared memory is not sealed against shrinking"));
         }
         let mut fs = MaybeUninit::<libc::statfs>::uninit();
         // SAFETY: fstatfs writes a statfs into `fs` on success.
         if unsafe { libc::fstatfs(file.as_raw_fd(), fs.as_mut_ptr()) } < 0 {
-            return Err(format!(
-                "cannot statfs the shared memory: {}",
-                io::Error::last_os_error()
+            let e = io::Error::last_os_error();
+            return Err(os_failure(
+                &e,
+                format!("cannot statfs the shared memory: {e}"),
             ));
         }
         // SAFETY: initialised by the successful fstatfs.
         let fs_type = unsafe { fs.assume_init() }.f_type;
         if fs_type != libc::TMPFS_MAGIC as _ {
-            return Err(format!(
+            return Err(refused(format!(
                 "the shared memory is not a tmpfs memfd (file system {fs_type:#x})"
-            ));
+            )));
         }
         let mut header = [0u8; 32];
         file.read_exact_at(&mut header, 0)
-            .map_err(|e| format!("cannot read the shared memory header: {e}"))?;
+            .map_err(|e| os_failure(&e, format!("cannot read the shared memory header: {e}")))?;
         if header[0..8] != SHM_MAGIC {
-            return Err("bad shared memory magic".into());
+            return Err(refused("bad shared memory magic"));
         }
         let word = |at: usize| u32::from_ne_bytes([0, 1, 2, 3].map(|i| header[at + i]));
         let size_at =
             |at: usize| u64::from_ne_bytes([0, 1, 2, 3, 4, 5, 6, 7].map(|i| header[at + i]));
         let version = word(8);
         if version != SHM_VERSION {
-            return Err(format!(
+            return Err(refused(format!(
                 "shared memory layout version {version}, this side speaks {SHM_VERSION}"
-            ));
+            )));
         }
         let header_len = word(12);
         if header_len as usize != SHM_HEADER_LEN {
-            return Err(format!(
+            return Err(refused(format!(
                 "shared memory header length {header_len}, expected {SHM_HEADER_LEN}"
-            ));
+            )));
         }
         let sizes = OFF_RING_SIZE.map(size_at);
         for (i, s) in sizes.iter().enumerate() {
             if !valid_ring_size(*s) {
-                return Err(format!(
+                return Err(refused(format!(
                     "ring {i} size {s} is not a power of two between {MIN_RING_SIZE} and \
                      {MAX_RING_SIZE}"
-                ));
+                )));
             }
         }
         let total = SHM_HEADER_LEN as u64 + sizes[0] + sizes[1];
@@ -130,17 +132,17 @@ impl Region {
         // true.
         let len = file
             .metadata()
-            .map_err(|e| format!("cannot stat the shared memory: {e}"))?
+            .map_err(|e| os_failure(&e, format!("cannot stat the shared memory: {e}")))?
             .len();
         if len < total {
-            return Err(format!(
+            return Err(refused(format!(
                 "the shared memory is {len} bytes, its header needs {total}"
-            ));
+            )));
         }
         let map = MmapOptions::new()
             .len(total as usize)
             .map_raw(file)
-            .map_err(|e| format!("cannot map the shared memory: {e}"))?;
+            .map_err(|e| os_failure(&e, format!("cannot map the shared memory: {e}")))?;
         Ok(Region::new(map, sizes))
     }
 
@@ -209,4 +211,15 @@ pub(super) fn get_seals(fd: BorrowedFd<'_>) -> io::Result<libc::c_int> {
         return Err(io::Error::last_os_error());
     }
     Ok(seals)
+}
+
+/// Why the acceptor refuses the memory it was handed: the peer broke the protocol. The
+/// text is the reason the peer is told.
+fn refused(why: impl Into<String>) -> Error {
+    Error::new(ErrorKind::Protocol, why)
+}
+
+/// An OS failure while checking the memory, in words the peer is told too.
+fn os_failure(e: &io::Error, why: String) -> Error {
+    Error::new(ErrorKind::from_io(e), why)
 }

@@ -5,6 +5,8 @@ use std::mem::MaybeUninit;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
+use vsan_core::{Error, ErrorKind, Result};
+
 use super::region::{Region, RingGeom};
 use super::{
     CTL_CLOSED, CTL_CONSUMER_GONE, CTL_CONSUMER_SLEEPING, CTL_HEAD, CTL_PRODUCER_SLEEPING, CTL_TAIL,
@@ -58,13 +60,16 @@ impl Ring {
 
     /// Bytes the producer at `tail` may write now; fails when the peer's head is out of
     /// range.
-    pub(super) fn room(&self, tail: u64) -> std::result::Result<u64, String> {
+    pub(super) fn room(&self, tail: u64) -> Result<u64> {
         let head = self.head().load(Ordering::Acquire);
         let used = tail.wrapping_sub(head);
         if used > self.size() {
-            return Err(format!(
-                "the peer's ring head {head} is out of range (tail {tail}, size {})",
-                self.size()
+            return Err(Error::new(
+                ErrorKind::Protocol,
+                format!(
+                    "the peer's ring head {head} is out of range (tail {tail}, size {})",
+                    self.size()
+                ),
             ));
         }
         Ok(self.size() - used)
@@ -72,13 +77,16 @@ impl Ring {
 
     /// Bytes the consumer at `head` may read up to the returned tail; fails when the
     /// peer's tail is out of range.
-    pub(super) fn available(&self, head: u64) -> std::result::Result<(u64, u64), String> {
+    pub(super) fn available(&self, head: u64) -> Result<(u64, u64)> {
         let tail = self.tail().load(Ordering::Acquire);
         let avail = tail.wrapping_sub(head);
         if avail > self.size() {
-            return Err(format!(
-                "the peer's ring tail {tail} is out of range (head {head}, size {})",
-                self.size()
+            return Err(Error::new(
+                ErrorKind::Protocol,
+                format!(
+                    "the peer's ring tail {tail} is out of range (head {head}, size {})",
+                    self.size()
+                ),
             ));
         }
         Ok((avail, tail))

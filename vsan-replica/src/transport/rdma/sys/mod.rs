@@ -151,7 +151,7 @@ fn parse_hello(data: &[u8]) -> std::result::Result<PeerParams, String> {
         credits: u32::from_be_bytes([h[8], h[9], h[10], h[11]]),
         buf_len: u32::from_be_bytes([h[12], h[13], h[14], h[15]]) as usize,
     };
-    params.check()?;
+    params.check().map_err(|e| e.context().to_string())?;
     Ok(params)
 }
 

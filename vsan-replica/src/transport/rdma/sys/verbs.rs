@@ -16,6 +16,7 @@ use std::sync::Arc;
 
 use rdma_sys as ffi;
 use tokio::io::unix::AsyncFd;
+use vsan_core::{Error, ErrorKind, Result};
 
 use super::super::RdmaConfig;
 use super::super::engine::{Completion, Verbs};
@@ -502,16 +503,16 @@ impl Verbs for RealVerbs {
         }
     }
 
-    fn post_send(&mut self, id: usize, len: usize) -> std::result::Result<(), String> {
-        self.conn.post_send(id, len)
+    fn post_send(&mut self, id: usize, len: usize) -> Result<()> {
+        self.conn.post_send(id, len).map_err(verbs_error)
     }
 
-    fn post_recv(&mut self, id: usize) -> std::result::Result<(), String> {
-        self.conn.post_recv(id)
+    fn post_recv(&mut self, id: usize) -> Result<()> {
+        self.conn.post_recv(id).map_err(verbs_error)
     }
 
-    fn poll(&mut self, out: &mut Vec<Completion>) -> std::result::Result<(), String> {
-        self.conn.poll(out)
+    fn poll(&mut self, out: &mut Vec<Completion>) -> Result<()> {
+        self.conn.poll(out).map_err(verbs_error)
     }
 }
 
@@ -553,4 +554,9 @@ impl Notifier for RealNotifier {
             }
         })
     }
+}
+
+/// A verbs call that failed, as the engine reports it.
+fn verbs_error(why: String) -> Error {
+    Error::new(ErrorKind::Io, why)
 }
