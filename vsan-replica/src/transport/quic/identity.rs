@@ -365,7 +365,7 @@ fn write_atomically(path: &Path, contents: &[u8], mode: u32) -> Result<()> {
 // ----- CA certificates -----
 
 /// One or more CA certificates a peer's certificate chain must lead to (see
-/// [`QuicConfig::peer_ca`]).
+/// [`QuicConfig::peer_ca`](super::QuicConfig::peer_ca)).
 #[derive(Clone)]
 pub struct CaCertificates {
     certs: Vec<CertificateDer<'static>>,

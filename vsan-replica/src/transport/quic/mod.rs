@@ -39,9 +39,9 @@
 //!
 //! `send` encodes the message and queues the frame (header and data, never copied); a
 //! writer task hands queued frames to quinn many at a time. The queue counts toward
-//! [`queue_depth`](LinkTx::queue_depth) until quinn has taken them, and `send` waits
+//! [`queue_depth`](crate::transport::LinkTx::queue_depth) until quinn has taken them, and `send` waits
 //! while it is above [`QuicConfig::send_queue_limit`]. Frames of one
-//! [`send_batch`](LinkTx::send_batch) are queued together, so nothing comes between them.
+//! [`send_batch`](crate::transport::LinkTx::send_batch) are queued together, so nothing comes between them.
 //!
 //! `recv` reads what quinn has received, chunks as they arrive, into one buffer and
 //! decodes frames from it; the data of a write or read reply is a slice of that buffer.

@@ -75,7 +75,7 @@
 //! `0..=size`), and a position out of range fails the link with
 //! [`Protocol`](ErrorKind::Protocol) instead of reading or writing out of bounds. The
 //! ring bytes are only ever copied with raw pointer copies, never borrowed, and what is
-//! copied out is decoded by the total [`wire::decode`], so garbage is a protocol error,
+//! copied out is decoded by the total [`wire::decode`](crate::wire::decode), so garbage is a protocol error,
 //! not undefined behaviour.
 //!
 //! Frames are a plain byte stream in the ring and may wrap around its end or be larger
