@@ -15,7 +15,6 @@
 mod endpoint;
 pub(crate) mod fastmap;
 pub mod generations;
-pub mod message;
 mod ranges;
 
 #[cfg(test)]
@@ -30,6 +29,9 @@ pub use endpoint::{
     Proof, QuorumPolicy, RequestId, ResyncConfig, ResyncRate, StartupPolicy, SyncKind,
     SyncProgress, SyncRole, SyncSummary,
 };
+// The messages live beside the wire format, below the protocol and the transports;
+// these are their paths from the protocol's side.
+pub use crate::wire::message;
 pub use message::{
     DiskId, GEN_JUST_CREATED, Generations, Hello, Message, PROTOCOL_VERSION, SplitBrainPolicy,
     Status, WritePayload,

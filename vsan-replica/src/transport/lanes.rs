@@ -67,8 +67,8 @@ use tracing::{debug, info, warn};
 use vsan_core::{Error, ErrorKind, IoFuture, Result};
 
 use super::{Link, LinkRx, LinkTx, Listener, QueueDepth, Transport};
-use crate::protocol::Message;
 use crate::wire::MAX_LANES;
+use crate::wire::Message;
 
 /// Groups waiting for their last lane, and plain links, not yet taken by `accept`.
 const ACCEPT_BACKLOG: usize = 16;

@@ -39,9 +39,9 @@
 
 use std::fmt;
 
-use vsan_core::{IoFuture, Result};
+use vsan_core::{Error, ErrorKind, IoFuture, Result};
 
-use crate::protocol::Message;
+use crate::wire::Message;
 
 pub mod lanes;
 pub mod loopback;
@@ -49,8 +49,9 @@ pub mod quic;
 pub mod rdma;
 pub mod tcp;
 
+mod accept;
 mod auth;
-mod txqueue;
+mod stream_tx;
 
 pub use lanes::LanesTransport;
 pub use loopback::LoopbackTransport;
@@ -217,4 +218,13 @@ impl Link {
     pub fn into_split(self) -> (Box<dyn LinkTx>, Box<dyn LinkRx>) {
         (self.tx, self.rx)
     }
+}
+
+/// What a link keeps of its first error, to report it again on every later call.
+pub(crate) fn remember(err: &Error) -> (ErrorKind, String) {
+    let mut text = err.context().to_string();
+    if let Some(source) = std::error::Error::source(err) {
+        text = format!("{text}: {source}");
+    }
+    (err.kind(), text)
 }

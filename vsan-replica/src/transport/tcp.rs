@@ -48,18 +48,18 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use parking_lot::Mutex;
 use socket2::SockRef;
 use tokio::io::Interest;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Notify, mpsc};
+use tokio::sync::mpsc;
 use tokio::task::{JoinHandle, JoinSet};
 use vsan_core::{Error, ErrorKind, IoFuture, Result};
 
+use super::accept::AcceptQueue;
 use super::auth::{self, Role};
-use super::txqueue::{AcceptQueue, FrameQueue, remember};
-use super::{Link, LinkRx, LinkTx, Listener, QueueDepth, Transport};
-use crate::protocol::Message;
+use super::stream_tx::{StreamSink, StreamTx, frame_parts};
+use super::{Link, LinkRx, Listener, Transport, remember};
+use crate::wire::Message;
 use crate::wire::{self, Frame};
 
 /// Most slices handed to one vectored write.
@@ -238,17 +238,16 @@ async fn establish(mut stream: TcpStream, role: Role, config: &TcpConfig) -> Res
         }
     };
     let stream = Arc::new(stream);
-    let shared = Arc::new(TxShared {
+    let sink = TcpSink {
         stream: Arc::clone(&stream),
-        state: Mutex::new(TxState::default()),
-        work: Notify::new(),
-        progress: Notify::new(),
-        limit: config.send_queue_limit,
-        close_timeout: config.close_timeout,
         peer: peer.clone(),
-    });
-    let writer = tokio::spawn(write_loop(Arc::clone(&shared)));
-    let tx = TcpTx { shared, writer };
+    };
+    let tx = StreamTx::new(
+        sink,
+        peer.clone(),
+        config.send_queue_limit,
+        config.close_timeout,
+    );
     let rx = TcpRx {
         stream,
         buf: received,
@@ -323,164 +322,69 @@ impl Drop for TcpLinkListener {
     }
 }
 
-/// Who may write to the socket right now; exactly one writer keeps frames in order.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-enum Writer {
-    /// Nobody: the queue is empty and the next `send` writes directly.
-    #[default]
-    Idle,
-    /// A `send` is writing its frame directly.
-    Inline,
-    /// The writer task is draining the queue.
-    Task,
-}
-
-#[derive(Debug, Default)]
-struct TxState {
-    /// Frames not yet written, and the first error.
-    q: FrameQueue,
-    writer: Writer,
-    /// `close` was called: no more sends.
-    closing: bool,
-    /// The write side has been shut down.
-    shut: bool,
-}
-
-impl TxState {
-    fn check_open(&self, peer: &str) -> Result<()> {
-        self.q.check_failed()?;
-        if self.closing {
-            return Err(Error::new(
-                ErrorKind::Closed,
-                format!("{peer}: send: link closed by this side"),
-            ));
-        }
-        Ok(())
-    }
-
-    fn fail(&mut self, peer: &str, e: io::Error) -> Error {
-        self.q.fail(Error::io(format!("{peer}: send"), e))
-    }
-}
-
+/// The TCP end of a link's sending half: the socket, written without `SIGPIPE`.
 #[derive(Debug)]
-struct TxShared {
+struct TcpSink {
     stream: Arc<TcpStream>,
-    state: Mutex<TxState>,
-    /// Wakes the writer task when it owns a non-empty queue.
-    work: Notify,
-    /// Wakes senders waiting for room and `close` waiting for the queue to drain.
-    progress: Notify,
-    limit: usize,
-    close_timeout: Duration,
     peer: String,
 }
 
-impl TxShared {
-    /// Queues `frame`, or writes it at once when the socket is idle. Returns whether the
-    /// queue is now above the limit.
-    fn enqueue(&self, frame: Frame) -> Result<bool> {
-        self.enqueue_many(vec![frame])
-    }
-
-    /// Queues `frames` in order, writing as many as the socket takes at once when it is
-    /// idle (one vectored write for the lot). Returns whether the queue is now above the
-    /// limit.
-    fn enqueue_many(&self, frames: Vec<Frame>) -> Result<bool> {
-        let mut st = self.state.lock();
-        st.check_open(&self.peer)?;
-        if st.writer != Writer::Idle {
-            for f in frames {
-                st.q.push(f);
-            }
-            return Ok(st.q.bytes > self.limit);
-        }
-        // Idle means the queue is empty: these frames are next on the wire.
-        st.writer = Writer::Inline;
-        drop(st);
-        let written = write_now_many(&self.stream, &frames);
-        let mut st = self.state.lock();
-        match written {
-            Ok(mut n) => {
-                // Frames queued meanwhile go after these.
-                let mut rest = Vec::new();
-                for f in frames {
-                    if n >= f.len() {
-                        n -= f.len();
-                    } else {
-                        rest.push((f, n));
-                        n = 0;
-                    }
-                }
-                for (f, partial) in rest.into_iter().rev() {
-                    st.q.bytes += f.len() - partial;
-                    st.q.frames.push_front(f);
-                    st.q.front_written = partial;
-                }
-            }
-            Err(e) => {
-                st.writer = Writer::Idle;
-                let err = st.fail(&self.peer, e);
-                drop(st);
-                self.progress.notify_waiters();
-                return Err(err);
-            }
-        }
-        if st.q.frames.is_empty() {
-            st.writer = Writer::Idle;
-            if st.closing {
-                self.progress.notify_waiters();
-            }
-        } else {
-            st.writer = Writer::Task;
-            self.work.notify_one();
-        }
-        Ok(st.q.bytes > self.limit)
-    }
-
-    /// Waits until the queue is at most the limit.
-    async fn wait_for_room(&self) -> Result<()> {
-        loop {
-            let progress = self.progress.notified();
-            tokio::pin!(progress);
-            progress.as_mut().enable();
-            {
-                let st = self.state.lock();
-                st.q.check_failed()?;
-                if st.q.bytes <= self.limit {
-                    return Ok(());
-                }
-            }
-            progress.await;
-        }
-    }
-
-    fn shutdown_write(&self) -> io::Result<()> {
-        SockRef::from(&*self.stream).shutdown(Shutdown::Write)
+impl TcpSink {
+    fn send_error(&self, e: io::Error) -> Error {
+        Error::io(format!("{}: send", self.peer), e)
     }
 }
 
-/// Writes as much of `frames` (in order) as the socket takes without waiting, up to 64
-/// slices per system call; returns the bytes written.
+impl StreamSink for TcpSink {
+    const TRANSPORT: &'static str = "tcp";
+    const WRITES_INLINE: bool = true;
+    const FAILURE_DROPS_QUEUE: bool = false;
+    const CLOSE_UNDONE: &'static str = "sent";
+
+    fn batch_limits(&self) -> (usize, usize) {
+        (MAX_IOVECS, MAX_BATCH_BYTES)
+    }
+
+    fn write_now(&self, frames: &[Frame]) -> Result<usize> {
+        write_now_many(&self.stream, frames).map_err(|e| self.send_error(e))
+    }
+
+    async fn write(&self, batch: &mut [Bytes]) -> Result<usize> {
+        let slices: Vec<IoSlice<'_>> = batch.iter().map(|b| IoSlice::new(b)).collect();
+        let sent = self
+            .stream
+            .async_io(Interest::WRITABLE, || {
+                SockRef::from(&*self.stream).send_vectored_with_flags(&slices, SEND_FLAGS)
+            })
+            .await;
+        match sent {
+            Ok(0) => Err(self.send_error(io::ErrorKind::WriteZero.into())),
+            Ok(n) => Ok(n),
+            Err(e) => Err(self.send_error(e)),
+        }
+    }
+
+    fn shut(&self) -> Result<()> {
+        SockRef::from(&*self.stream)
+            .shutdown(Shutdown::Write)
+            .map_err(|e| Error::io(format!("{}: close", self.peer), e))
+    }
+
+    fn abandon(&self) {
+        let _ = SockRef::from(&*self.stream).shutdown(Shutdown::Both);
+    }
+}
+
+/// Writes as much of `frames` (in order) as the socket takes without waiting, up to
+/// [`MAX_IOVECS`] slices per system call; returns the bytes written.
 fn write_now_many(stream: &TcpStream, frames: &[Frame]) -> io::Result<usize> {
     let total: usize = frames.iter().map(Frame::len).sum();
     let mut done = 0;
     while done < total {
-        let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(64);
-        let mut skip = done;
-        'fill: for f in frames {
-            for part in [f.head(), f.data()] {
-                if skip >= part.len() {
-                    skip -= part.len();
-                    continue;
-                }
-                slices.push(IoSlice::new(&part[skip..]));
-                skip = 0;
-                if slices.len() == 64 {
-                    break 'fill;
-                }
-            }
-        }
+        let slices: Vec<IoSlice<'_>> = frame_parts(frames, done)
+            .take(MAX_IOVECS)
+            .map(IoSlice::new)
+            .collect();
         let sent = stream.try_io(Interest::WRITABLE, || {
             SockRef::from(stream).send_vectored_with_flags(&slices, SEND_FLAGS)
         });
@@ -493,213 +397,6 @@ fn write_now_many(stream: &TcpStream, frames: &[Frame]) -> io::Result<usize> {
         }
     }
     Ok(done)
-}
-
-/// The parts of `frame` after its first `skip` bytes, into `out`; returns how many.
-fn unwritten(frame: &Frame, mut skip: usize, out: &mut [Bytes; 2]) -> usize {
-    let mut count = 0;
-    for part in [frame.head(), frame.data()] {
-        if skip >= part.len() {
-            skip -= part.len();
-            continue;
-        }
-        out[count] = part.slice(skip..);
-        skip = 0;
-        count += 1;
-    }
-    count
-}
-
-/// Drains the queue whenever `enqueue` hands it over, many frames per write.
-async fn write_loop(shared: Arc<TxShared>) {
-    let mut batch: Vec<Bytes> = Vec::with_capacity(MAX_IOVECS);
-    loop {
-        shared.work.notified().await;
-        loop {
-            batch.clear();
-            {
-                let mut st = shared.state.lock();
-                if st.writer != Writer::Task || st.q.failed.is_some() {
-                    break;
-                }
-                let mut skip = st.q.front_written;
-                let mut bytes = 0;
-                for frame in &st.q.frames {
-                    let mut parts = [Bytes::new(), Bytes::new()];
-                    let count = unwritten(frame, skip, &mut parts);
-                    skip = 0;
-                    for part in parts.into_iter().take(count) {
-                        bytes += part.len();
-                        batch.push(part);
-                    }
-                    if batch.len() + 2 > MAX_IOVECS || bytes >= MAX_BATCH_BYTES {
-                        break;
-                    }
-                }
-                if batch.is_empty() {
-                    st.writer = Writer::Idle;
-                    drop(st);
-                    shared.progress.notify_waiters();
-                    break;
-                }
-            }
-            let slices: Vec<IoSlice<'_>> = batch.iter().map(|b| IoSlice::new(b)).collect();
-            let sent = shared
-                .stream
-                .async_io(Interest::WRITABLE, || {
-                    SockRef::from(&*shared.stream).send_vectored_with_flags(&slices, SEND_FLAGS)
-                })
-                .await;
-            let mut st = shared.state.lock();
-            match sent {
-                Ok(0) => {
-                    st.writer = Writer::Idle;
-                    st.fail(&shared.peer, io::ErrorKind::WriteZero.into());
-                }
-                Ok(n) => st.q.advance(n),
-                Err(e) => {
-                    st.writer = Writer::Idle;
-                    st.fail(&shared.peer, e);
-                }
-            }
-            let failed = st.q.failed.is_some();
-            let idle = st.q.frames.is_empty() || failed;
-            if idle {
-                st.writer = Writer::Idle;
-            }
-            let room = st.q.bytes <= shared.limit;
-            drop(st);
-            if idle || room {
-                shared.progress.notify_waiters();
-            }
-            if idle {
-                break;
-            }
-        }
-    }
-}
-
-/// The sending half of a TCP link.
-#[derive(Debug)]
-struct TcpTx {
-    shared: Arc<TxShared>,
-    writer: JoinHandle<()>,
-}
-
-impl LinkTx for TcpTx {
-    fn send(&self, msg: Message) -> IoFuture<'_, ()> {
-        Box::pin(async move {
-            let frame = wire::encode(&msg).map_err(|e| {
-                Error::with_source(
-                    ErrorKind::InvalidArgument,
-                    format!("{}: send", self.shared.peer),
-                    e,
-                )
-            })?;
-            if self.shared.enqueue(frame)? {
-                self.shared.wait_for_room().await?;
-            }
-            Ok(())
-        })
-    }
-
-    fn send_batch(&self, msgs: Vec<Message>) -> IoFuture<'_, ()> {
-        Box::pin(async move {
-            let mut frames = Vec::with_capacity(msgs.len());
-            for msg in &msgs {
-                frames.push(wire::encode(msg).map_err(|e| {
-                    Error::with_source(
-                        ErrorKind::InvalidArgument,
-                        format!("{}: send", self.shared.peer),
-                        e,
-                    )
-                })?);
-            }
-            if self.shared.enqueue_many(frames)? {
-                self.shared.wait_for_room().await?;
-            }
-            Ok(())
-        })
-    }
-
-    fn queue_depth(&self) -> QueueDepth {
-        let st = self.shared.state.lock();
-        QueueDepth {
-            messages: st.q.frames.len(),
-            bytes: st.q.bytes,
-        }
-    }
-
-    fn close(&self) -> IoFuture<'_, ()> {
-        Box::pin(async move {
-            let shared = &self.shared;
-            shared.state.lock().closing = true;
-            let drained = async {
-                loop {
-                    let progress = shared.progress.notified();
-                    tokio::pin!(progress);
-                    progress.as_mut().enable();
-                    {
-                        let mut st = shared.state.lock();
-                        st.q.check_failed()?;
-                        if st.writer == Writer::Idle && st.q.frames.is_empty() {
-                            // False when an earlier close already shut the socket.
-                            return Ok(!std::mem::replace(&mut st.shut, true));
-                        }
-                    }
-                    progress.await;
-                }
-            };
-            match tokio::time::timeout(shared.close_timeout, drained).await {
-                Ok(Ok(true)) => shared
-                    .shutdown_write()
-                    .map_err(|e| Error::io(format!("{}: close", shared.peer), e)),
-                Ok(Ok(false)) => Ok(()),
-                Ok(Err(e)) => Err(e),
-                Err(_) => {
-                    // The peer is not reading: give up on what is queued.
-                    let err = {
-                        let mut st = shared.state.lock();
-                        let err = Error::new(
-                            ErrorKind::Timeout,
-                            format!(
-                                "{}: close: {} queued bytes not sent within {:?}",
-                                shared.peer, st.q.bytes, shared.close_timeout
-                            ),
-                        );
-                        if st.q.failed.is_none() {
-                            st.q.failed = Some(remember(&err));
-                        }
-                        st.shut = true;
-                        err
-                    };
-                    let _ = SockRef::from(&*shared.stream).shutdown(Shutdown::Both);
-                    shared.progress.notify_waiters();
-                    Err(err)
-                }
-            }
-        })
-    }
-
-    fn peer(&self) -> &str {
-        &self.shared.peer
-    }
-
-    fn transport(&self) -> &str {
-        "tcp"
-    }
-}
-
-impl Drop for TcpTx {
-    fn drop(&mut self) {
-        self.writer.abort();
-        let mut st = self.shared.state.lock();
-        st.closing = true;
-        if !std::mem::replace(&mut st.shut, true) {
-            // Best effort: the peer sees the link end even while our receive half lives.
-            let _ = self.shared.shutdown_write();
-        }
-    }
 }
 
 /// The receiving half of a TCP link.

@@ -4,8 +4,8 @@
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
 use super::header::{CRC_AT, Header, checksum};
+use super::message::{DiskId, Generations, Hello, Message, Status, WritePayload};
 use super::{HEADER_LEN, Kind, MAX_DATA_LEN, MAX_LANES, MAX_META_LEN, WireError, pb};
-use crate::protocol::{DiskId, Generations, Hello, Message, Status, WritePayload};
 
 /// Bytes one `SyncBitmap` run takes in the data section: two little-endian u64.
 const RUN_LEN: usize = 16;

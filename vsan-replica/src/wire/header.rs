@@ -3,7 +3,7 @@
 use bytes::BufMut;
 
 use super::WireError;
-use crate::protocol::Message;
+use super::message::Message;
 
 /// First four bytes of every frame: "VSRP".
 pub const MAGIC: u32 = 0x5653_5250;

@@ -1,4 +1,4 @@
-//! The replication wire format: [`Message`](crate::protocol::Message)s as framed, checksummed bytes.
+//! The replication wire format: [`Message`]s as framed, checksummed bytes.
 //!
 //! Every byte-stream transport (TCP today; shared-memory rings and others later) uses
 //! this one codec; an in-process transport passes `Message` values without it, but
@@ -69,7 +69,7 @@
 //! The header's `version` describes this layout and the meaning of every kind; a
 //! decoder refuses any other version, so a change an old peer would misread bumps it.
 //! Inside a version, meta messages may gain fields (protobuf skips unknown ones).
-//! [`PROTOCOL_VERSION`](crate::protocol::PROTOCOL_VERSION), carried in `Hello`,
+//! [`PROTOCOL_VERSION`], carried in `Hello`,
 //! versions the protocol's behaviour and is checked by the protocol, not here.
 //!
 //! # Decoding is total
@@ -88,11 +88,16 @@
 mod codec;
 mod error;
 mod header;
+pub mod message;
 
 pub(crate) use codec::{AuthFrame, decode_auth, encode_auth_challenge, encode_auth_response};
 pub use codec::{Frame, decode, encode, encode_into, validate};
 pub use error::WireError;
 pub use header::{HEADER_LEN, Kind, MAGIC, MAX_DATA_LEN, MAX_LANES, MAX_META_LEN, WIRE_VERSION};
+pub use message::{
+    DiskId, GEN_JUST_CREATED, Generations, Hello, Message, PROTOCOL_VERSION, SplitBrainPolicy,
+    Status, WritePayload,
+};
 
 /// Types generated from `proto/replica.proto` by prost (see `build.rs`).
 #[allow(

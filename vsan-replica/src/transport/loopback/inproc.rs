@@ -35,9 +35,9 @@ use parking_lot::Mutex;
 use tokio::sync::{Notify, mpsc};
 use vsan_core::{Error, ErrorKind, IoFuture, Result};
 
-use crate::protocol::Message;
 use crate::transport::{Link, LinkRx, LinkTx, Listener, QueueDepth, Transport};
 use crate::wire;
+use crate::wire::Message;
 
 /// Links waiting to be accepted, per listener.
 const ACCEPT_BACKLOG: usize = 16;

@@ -8,8 +8,8 @@ use std::collections::VecDeque;
 use bytes::{Buf, Bytes, BytesMut};
 use vsan_core::{Error, ErrorKind, Result};
 
-use crate::protocol::Message;
 use crate::transport::QueueDepth;
+use crate::wire::Message;
 use crate::wire::{self, Frame};
 
 /// Bytes of the header in front of every chunk.
@@ -73,11 +73,11 @@ pub(crate) trait Verbs: Send + 'static {
     /// posted again.
     fn recv_buf(&self, id: usize) -> &[u8];
     /// Posts a signalled SEND of the first `len` bytes of send buffer `id`.
-    fn post_send(&mut self, id: usize, len: usize) -> std::result::Result<(), String>;
+    fn post_send(&mut self, id: usize, len: usize) -> Result<()>;
     /// Posts receive buffer `id` for the peer's next SEND.
-    fn post_recv(&mut self, id: usize) -> std::result::Result<(), String>;
+    fn post_recv(&mut self, id: usize) -> Result<()>;
     /// Appends the completions ready now to `out`, without waiting.
-    fn poll(&mut self, out: &mut Vec<Completion>) -> std::result::Result<(), String>;
+    fn poll(&mut self, out: &mut Vec<Completion>) -> Result<()>;
 }
 
 /// What the peer announced when the connection was set up.
@@ -91,17 +91,24 @@ pub(crate) struct PeerParams {
 
 impl PeerParams {
     /// Checks announced values against the limits both sides follow.
-    pub(crate) fn check(&self) -> std::result::Result<(), String> {
+    /// A value out of range fails with [`Protocol`](ErrorKind::Protocol).
+    pub(crate) fn check(&self) -> Result<()> {
         if !(MIN_CREDITS..=MAX_CREDITS).contains(&self.credits) {
-            return Err(format!(
-                "the peer announced {} receive buffers (allowed {MIN_CREDITS}..={MAX_CREDITS})",
-                self.credits
+            return Err(Error::new(
+                ErrorKind::Protocol,
+                format!(
+                    "the peer announced {} receive buffers (allowed {MIN_CREDITS}..={MAX_CREDITS})",
+                    self.credits
+                ),
             ));
         }
         if !(MIN_BUFFER_LEN..=MAX_BUFFER_LEN).contains(&self.buf_len) {
-            return Err(format!(
-                "the peer announced {}-byte buffers (allowed {MIN_BUFFER_LEN}..={MAX_BUFFER_LEN})",
-                self.buf_len
+            return Err(Error::new(
+                ErrorKind::Protocol,
+                format!(
+                    "the peer announced {}-byte buffers (allowed {MIN_BUFFER_LEN}..={MAX_BUFFER_LEN})",
+                    self.buf_len
+                ),
             ));
         }
         Ok(())
@@ -225,7 +232,7 @@ impl<V: Verbs> Engine<V> {
     fn build(mut verbs: V, peer_params: PeerParams, peer: String, post: bool) -> Result<Engine<V>> {
         peer_params
             .check()
-            .map_err(|why| Error::new(ErrorKind::Protocol, format!("{peer}: {why}")))?;
+            .map_err(|why| why.context_prefix(&peer))?;
         let recv_bufs = verbs.recv_bufs();
         let local_len = verbs.buf_len();
         if local_len < MIN_BUFFER_LEN || verbs.send_bufs() == 0 || recv_bufs == 0 {
@@ -235,9 +242,12 @@ impl<V: Verbs> Engine<V> {
             ));
         }
         for id in (0..recv_bufs).filter(|_| post) {
-            verbs
-                .post_recv(id)
-                .map_err(|why| Error::new(ErrorKind::Io, format!("{peer}: post receive: {why}")))?;
+            verbs.post_recv(id).map_err(|why| {
+                Error::new(
+                    ErrorKind::Io,
+                    format!("{peer}: post receive: {}", why.context()),
+                )
+            })?;
         }
         let threshold = u32::try_from(recv_bufs / 2).unwrap_or(u32::MAX).max(1);
         Ok(Engine {
@@ -486,7 +496,7 @@ impl<V: Verbs> Engine<V> {
         }
         .put(&mut buf[..CHUNK_HEADER_LEN]);
         if let Err(why) = self.verbs.post_send(id, CHUNK_HEADER_LEN + len) {
-            return Err(self.io("post send", &why));
+            return Err(self.io("post send", why.context()));
         }
         self.credits -= 1;
         self.owed -= u32::from(grant);
@@ -505,7 +515,7 @@ impl<V: Verbs> Engine<V> {
         let polled = self.verbs.poll(&mut completions);
         let mut result = match polled {
             Ok(()) => Ok(()),
-            Err(why) => Err(self.io("poll completions", &why)),
+            Err(why) => Err(self.io("poll completions", why.context())),
         };
         for c in completions.drain(..) {
             if result.is_err() {
@@ -595,7 +605,7 @@ impl<V: Verbs> Engine<V> {
 
     fn repost(&mut self, buf: usize) -> Result<()> {
         if let Err(why) = self.verbs.post_recv(buf) {
-            return Err(self.io("post receive", &why));
+            return Err(self.io("post receive", why.context()));
         }
         self.posted[buf] = true;
         self.owed += 1;

@@ -17,6 +17,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use parking_lot::Mutex;
 use tokio::sync::Notify;
+use vsan_core::{Error, ErrorKind, Result};
 
 use super::engine::{Completion, Verbs};
 use super::link::{Notifier, Wake};
@@ -255,18 +256,18 @@ impl Verbs for FakeVerbs {
         &self.recv[id]
     }
 
-    fn post_send(&mut self, id: usize, len: usize) -> Result<(), String> {
+    fn post_send(&mut self, id: usize, len: usize) -> Result<()> {
         let mut net = self.net.lock();
         let me = self.me;
         if id >= self.send.len() || net.sides[me].send_busy[id] {
             net.violations
                 .push(format!("side {me} posted send buffer {id} twice"));
-            return Err("send buffer already posted".into());
+            return Err(misuse("send buffer already posted"));
         }
         if len > self.buf_len {
             net.violations
                 .push(format!("side {me} posted a SEND longer than its buffer"));
-            return Err("too long".into());
+            return Err(misuse("too long"));
         }
         net.sides[me].send_busy[id] = true;
         let bytes = self.send[id][..len].to_vec();
@@ -277,20 +278,20 @@ impl Verbs for FakeVerbs {
         Ok(())
     }
 
-    fn post_recv(&mut self, id: usize) -> Result<(), String> {
+    fn post_recv(&mut self, id: usize) -> Result<()> {
         let mut net = self.net.lock();
         let me = self.me;
         if id >= self.recv.len() || net.sides[me].recv_is_posted[id] {
             net.violations
                 .push(format!("side {me} posted receive buffer {id} twice"));
-            return Err("receive buffer already posted".into());
+            return Err(misuse("receive buffer already posted"));
         }
         net.sides[me].recv_is_posted[id] = true;
         net.sides[me].recv_posted.push_back(id);
         Ok(())
     }
 
-    fn poll(&mut self, out: &mut Vec<Completion>) -> Result<(), String> {
+    fn poll(&mut self, out: &mut Vec<Completion>) -> Result<()> {
         let mut net = self.net.lock();
         let me = self.me;
         while let Some(event) = net.sides[me].cq.pop_front() {
@@ -354,4 +355,9 @@ impl Notifier for FakeNotifier {
             }
         })
     }
+}
+
+/// A work request the real verbs would refuse (the engine broke a rule of its own).
+fn misuse(why: &str) -> Error {
+    Error::new(ErrorKind::InvalidArgument, why)
 }

@@ -18,10 +18,10 @@ use tokio::task::JoinHandle;
 use vsan_core::{Error, ErrorKind, IoFuture, Result};
 
 use super::engine::{Engine, Verbs};
-use crate::protocol::Message;
 use crate::transport::auth::{self, Role};
 use crate::transport::{Link, LinkRx, LinkTx, QueueDepth, SharedSecret};
 use crate::wire;
+use crate::wire::Message;
 
 /// Why the driver woke up.
 #[derive(Debug, Clone, PartialEq, Eq)]

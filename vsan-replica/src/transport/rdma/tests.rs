@@ -13,10 +13,10 @@ use super::engine::{CHUNK_HEADER_LEN, ChunkHeader, Engine, PeerParams};
 use super::fake::{self, FakeNet, FakeVerbs, Pool};
 use super::link::{self, LinkParams};
 use super::{RdmaConfig, RdmaTransport};
-use crate::protocol::{Message, WritePayload};
 use crate::transport::auth::Role;
 use crate::transport::{Link, SharedSecret};
 use crate::wire;
+use crate::wire::{Message, WritePayload};
 
 // ----- helpers -----
 

@@ -1,8 +1,10 @@
 //! The messages two replicas exchange, as Rust values.
 //!
-//! The protocol state machine speaks only these; `crate::wire` turns them into framed,
-//! checksummed bytes and back. Keeping the two apart lets the protocol be tested without
-//! any encoding, and lets every transport share one codec.
+//! The protocol state machine speaks only these, and links carry them; the codec beside
+//! this file turns them into framed, checksummed bytes and back. They live here, below
+//! both [`protocol`](crate::protocol) and [`transport`](crate::transport), so a link
+//! carries messages without knowing the state machine, and the protocol can be tested
+//! without any encoding. [`crate::protocol`] re-exports them under their old paths.
 
 use bytes::Bytes;
 
