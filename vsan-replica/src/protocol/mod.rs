@@ -18,10 +18,6 @@ pub mod generations;
 mod ranges;
 
 #[cfg(test)]
-mod freshness_tests;
-#[cfg(test)]
-mod review_tests;
-#[cfg(test)]
 mod tests;
 
 pub use endpoint::{

@@ -7,11 +7,7 @@ use std::time::Instant;
 use bytes::Bytes;
 use vsan_core::ErrorKind;
 
-use super::tests::{Node, Pair, fill, synced_meta};
 use super::*;
-
-const SIZE: u64 = 64 * 1024;
-const BS: u32 = 512;
 
 fn cfg(id: u32, peer: u32) -> Config {
     Config::new(id, peer, DiskId([7; 16]), "vol0", SIZE, BS)
