@@ -879,7 +879,7 @@ impl Endpoint {
                     if let Some(w) = self.own_writes.get_mut(&req) {
                         w.bits_pending = false;
                     }
-                    self.finish_own_write(req);
+                    self.finish_own_write(now, req);
                 }
                 MetaWaiter::OwnFlush(req) => {
                     if let Some(f) = self.own_flushes.get_mut(&req) {
@@ -1079,7 +1079,7 @@ impl Endpoint {
                 }
                 self.state = LinkState::Degraded;
                 let waiting: Vec<RequestId> = self.unsent.drain(..).collect();
-                self.settle_waiting_writes(waiting);
+                self.settle_waiting_writes(now, waiting);
             }
             LinkState::Degraded => {
                 if self.handshaking {
@@ -1091,7 +1091,7 @@ impl Endpoint {
                 self.settle_held(now);
             }
         }
-        self.try_shutdown(now);
+        self.try_shutdown();
     }
 
     /// Whether writing the metadata failed: the local replica is detached, reads go
@@ -1106,7 +1106,7 @@ impl Endpoint {
         self.shut_down
     }
 
-    fn try_shutdown(&mut self, _now: Instant) {
+    fn try_shutdown(&mut self) {
         if !self.shutting_down || self.shut_down {
             return;
         }
@@ -1424,7 +1424,7 @@ impl Endpoint {
                 match self.own_writes.get_mut(&req) {
                     Some(w) if matches!(w.remote, Remote::Sent(_)) => {
                         w.remote = Remote::Done(status);
-                        self.finish_own_write(req);
+                        self.finish_own_write(now, req);
                     }
                     _ => self.protocol_violation(now, format!("ack for unknown write {id}")),
                 }
@@ -1645,7 +1645,7 @@ impl Endpoint {
             self.mark_unmirrored(r, false);
         }
         self.unsent.clear();
-        self.settle_waiting_writes(waiting);
+        self.settle_waiting_writes(now, waiting);
         self.settle_waiting_flushes();
         for (req, _) in self.remote_reads.drain() {
             self.events.push_back(Event::Completed {
@@ -1684,7 +1684,7 @@ impl Endpoint {
 
     /// Writes started but not mirrored, while the peer is away: complete them alone,
     /// fail them, or keep them for the peer, as quorum says.
-    fn settle_waiting_writes(&mut self, waiting: Vec<RequestId>) {
+    fn settle_waiting_writes(&mut self, now: Instant, waiting: Vec<RequestId>) {
         match self.alone() {
             Alone::Hold => {
                 for req in waiting {
@@ -1699,7 +1699,7 @@ impl Endpoint {
                     if let Some(w) = self.own_writes.get_mut(&req) {
                         w.remote = Remote::Skipped;
                     }
-                    self.finish_own_write(req);
+                    self.finish_own_write(now, req);
                 }
             }
         }
@@ -1762,7 +1762,7 @@ impl Endpoint {
             self.fail_held(|_| true, kind);
         }
         let waiting: Vec<RequestId> = self.unsent.drain(..).collect();
-        self.settle_waiting_writes(waiting);
+        self.settle_waiting_writes(now, waiting);
         self.settle_waiting_flushes();
         self.run_held_reads(now);
         self.start_ready(now);
@@ -2137,7 +2137,7 @@ impl Endpoint {
         if self.hold_writes || !self.is_current() {
             // (Unproven: nothing lands on the replica before the handshake, the witness
             // or an operator says it is current, and the resync orders it.)
-            return self.try_shutdown(now);
+            return self.try_shutdown();
         }
         // Own writes, in submission order; one blocked write blocks later overlapping ones.
         let mut blocked: Vec<Range> = Vec::new();
@@ -2157,7 +2157,7 @@ impl Endpoint {
             self.pending_own.remove(idx);
             self.start_own_write(now, req);
         }
-        self.try_shutdown(now);
+        self.try_shutdown();
     }
 
     fn start_own_write(&mut self, now: Instant, req: RequestId) {
@@ -2186,7 +2186,7 @@ impl Endpoint {
                 }
             },
         }
-        self.finish_own_write(req);
+        self.finish_own_write(now, req);
     }
 
     fn send_own_write(&mut self, now: Instant, req: RequestId) {
@@ -2370,7 +2370,7 @@ impl Endpoint {
                                 }
                             }
                         }
-                        self.finish_own_write(req);
+                        self.finish_own_write(now, req);
                     }
                     ApplyKind::Peer(pid) => {
                         self.peer_writes.remove(&(entry.epoch, pid));
@@ -2675,7 +2675,7 @@ impl Endpoint {
         self.events.push_back(Event::LocalDataLost { action });
     }
 
-    fn finish_own_write(&mut self, req: RequestId) {
+    fn finish_own_write(&mut self, now: Instant, req: RequestId) {
         let Some((local, remote, range, bits_pending, failed_alone)) =
             self.own_writes.get(&req).and_then(|w| {
                 settled(w.local, w.remote).map(|(l, r)| {
@@ -2747,14 +2747,12 @@ impl Endpoint {
             request: req,
             result: result.map(|()| None),
         });
-        self.maybe_send_hello_now();
-        let now = self.last_tx.max(self.last_rx);
-        self.try_shutdown(now);
+        self.maybe_send_hello_now(now);
+        self.try_shutdown();
     }
 
-    fn maybe_send_hello_now(&mut self) {
+    fn maybe_send_hello_now(&mut self, now: Instant) {
         if self.hello_deferred && self.handshaking {
-            let now = self.last_tx.max(self.last_rx);
             self.maybe_send_hello(now);
         }
     }
@@ -2806,8 +2804,7 @@ impl Endpoint {
             request: req,
             result,
         });
-        let now = self.last_tx.max(self.last_rx);
-        self.try_shutdown(now);
+        self.try_shutdown();
     }
 
     // ----- time -----
