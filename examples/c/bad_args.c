@@ -361,7 +361,7 @@ static void result_strings(void) {
     check(strcmp(vsan_result_str(VSAN_OK), "ok") == 0, "VSAN_OK is \"ok\"");
     check(strcmp(vsan_result_str(VSAN_ERR_INVALID_ARGUMENT), "invalid argument") == 0,
           "VSAN_ERR_INVALID_ARGUMENT is \"invalid argument\"");
-    static const vsan_result unknown[] = {-1, 14, 63, 71, 1000, INT32_MIN, INT32_MAX};
+    static const vsan_result unknown[] = {-1, 15, 63, 71, 1000, INT32_MIN, INT32_MAX};
     for (size_t i = 0; i < sizeof unknown / sizeof unknown[0]; i++) {
         const char *s = vsan_result_str(unknown[i]);
         check(s != NULL && strcmp(s, "unknown result code") == 0, "vsan_result_str(%" PRId32
