@@ -201,7 +201,7 @@ impl Endpoint {
     }
 
     fn awaiting(&self) -> Awaiting {
-        if self.meta.sb.inconsistent || self.discard_my_data {
+        if self.journal.is_inconsistent() || self.discards_own_data() {
             return Awaiting::Peer;
         }
         match self.cfg.quorum {
@@ -217,13 +217,13 @@ impl Endpoint {
     /// The freshness a new endpoint starts in: current at once only when the metadata
     /// says this replica went on alone (and is no unfinished sync target).
     pub(super) fn initial_freshness(&mut self) {
-        let sb = &self.meta.sb;
-        if sb.generations.bitmap != 0 && !sb.inconsistent {
+        let g = self.journal.generations();
+        if self.journal.went_on_alone() && !self.journal.is_inconsistent() {
             info!(
                 disk = %self.cfg.disk_name,
                 "this replica went on without node {} before it stopped (generation {:016x}, \
                  bitmap generation {:016x}): the peer is behind; serving at once, degraded",
-                self.cfg.peer_id, sb.generations.current, sb.generations.bitmap
+                self.cfg.peer_id, g.current, g.bitmap
             );
             self.fresh = FreshnessState::Current(Proof::OnlyWriter);
             self.state = LinkState::Degraded;
@@ -251,7 +251,7 @@ impl Endpoint {
             && self.held_reads.is_empty();
         if self.fresh == FreshnessState::Current(Proof::OnlyWriter)
             && self.state == LinkState::Degraded
-            && !self.handshaking
+            && !self.handshaking()
             && idle
         {
             info!(disk = %self.cfg.disk_name, "this node's data is to be discarded: not serving it; waiting for the peer");
@@ -267,7 +267,7 @@ impl Endpoint {
         if self.is_current() {
             return;
         }
-        if self.discard_my_data && proof != Proof::Handshake {
+        if self.discards_own_data() && proof != Proof::Handshake {
             // The operator gave this replica's data up: only the peer's replaces it.
             info!(disk = %self.cfg.disk_name, "not serving on the {proof}'s word: this node's data is to be discarded; waiting for the peer");
             return;
@@ -298,22 +298,22 @@ impl Endpoint {
         if self.is_current() {
             return Err(refused("the replica is proven current already"));
         }
-        if self.shutting_down {
+        if self.shutting_down() {
             return Err(refused("this node is shutting down"));
         }
-        if self.meta.sb.inconsistent {
+        if self.journal.is_inconsistent() {
             return Err(refused(
                 "the replica is an unfinished sync target: it holds no complete copy; \
                  only the peer can complete it",
             ));
         }
-        if self.discard_my_data {
+        if self.discards_own_data() {
             return Err(refused(
                 "discard-my-data is pending: this node's data is to be replaced by \
                         the peer's",
             ));
         }
-        if self.handshaking {
+        if self.handshaking() {
             return Err(refused("a handshake with the peer is running: it decides"));
         }
         self.become_current(Proof::Operator);
@@ -350,7 +350,7 @@ impl Endpoint {
             .is_some_and(|first| now >= first.max(self.created) + t);
         // An unfinished sync target, or data the operator gave up, is never taken as
         // current without the peer: such a node waits for it whatever the policy.
-        let only_the_peer = self.meta.sb.inconsistent || self.discard_my_data;
+        let only_the_peer = self.journal.is_inconsistent() || self.discards_own_data();
         let policy = match self.cfg.startup {
             _ if only_the_peer => StartupPolicy::WaitForPeer,
             p => p,
@@ -402,7 +402,7 @@ impl Endpoint {
     /// How a request held for an unproven replica fails now, if it does: at shutdown, or
     /// when the witness gave the disk to the peer and the quorum policy is io-error.
     pub(super) fn unproven_refusal(&self) -> Option<ErrorKind> {
-        if self.shutting_down {
+        if self.shutting_down() {
             return Some(ErrorKind::Closed);
         }
         let denied = self.state == LinkState::Degraded && self.quorum == super::Quorum::Denied;

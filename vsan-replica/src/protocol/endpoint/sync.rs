@@ -39,10 +39,10 @@ use tracing::{info, warn};
 use vsan_core::ErrorKind;
 
 use super::{
-    Alone, ApplyKind, Endpoint, Event, LinkState, MetaWaiter, QuorumPolicy, ResyncRate, refused,
+    Alone, ApplyKind, Endpoint, Event, LinkState, MetaWaiter, PeerCopy, QuorumPolicy, Replica,
+    ResyncRate, refused,
 };
-use crate::meta::Bitmap;
-use crate::protocol::message::{GEN_JUST_CREATED, Message, Status};
+use crate::protocol::message::{Message, Status};
 use crate::protocol::ranges::{Range, subtract};
 
 /// Which end of a resync this node is.
@@ -328,19 +328,15 @@ impl Endpoint {
             SyncKind::Bitmap
         };
         if full {
-            self.meta.bitmap.set_all();
-            self.meta
-                .dirty_blocks
-                .extend(0..self.meta.layout.bitmap_blocks());
+            self.journal.mark_all();
         }
-        if role == SyncRole::Target && !self.meta.sb.inconsistent {
-            self.meta.sb.inconsistent = true;
-            self.meta.dirty_sb = true;
+        if role == SyncRole::Target && !self.journal.is_inconsistent() {
+            self.journal.set_inconsistent(true);
         }
-        self.meta_touch();
-        let runs = self.meta.bitmap.runs();
+        self.journal.touch();
+        let runs = self.journal.bitmap().runs();
         self.send(now, Message::SyncBitmap { runs });
-        info!(disk = %self.cfg.disk_name, "{kind} starting as {role:?}; {} chunks marked here", self.meta.bitmap.count());
+        info!(disk = %self.cfg.disk_name, "{kind} starting as {role:?}; {} chunks marked here", self.journal.bitmap().count());
         self.sync = Some(SyncRun::new(role, kind, now));
     }
 
@@ -359,36 +355,32 @@ impl Endpoint {
             // may be older here, now and after a restart. All of them are marked, so
             // nothing is served from this replica alone and the next run compares
             // every chunk by checksum.
-            self.meta.bitmap.set_all();
-            self.meta
-                .dirty_blocks
-                .extend(0..self.meta.layout.bitmap_blocks());
-            self.meta_touch();
+            self.journal.mark_all();
+            self.journal.touch();
         }
         self.last_sync = Some(summary);
         self.events.push_back(Event::SyncEnded(summary));
     }
 
     fn chunk_of(&self, offset: u64) -> Option<u64> {
-        let cs = self.meta.layout.chunk_size();
+        let cs = self.journal.layout().chunk_size();
         (offset % cs == 0 && offset < self.cfg.size).then_some(offset / cs)
     }
 
     fn chunk_len(&self, chunk: u64) -> u64 {
-        self.meta.layout.chunk_range(chunk).1
+        self.journal.layout().chunk_range(chunk).1
     }
 
     /// Target: the chunks of `[offset, offset + len)` hold the source's data.
     fn clear_synced_range(&mut self, offset: u64, len: u64) {
-        for c in self.meta.layout.chunks_of(offset, len) {
+        for c in self.journal.layout().chunks_of(offset, len) {
             self.clear_synced(c);
         }
     }
 
     /// Target: a chunk now holds the source's data (persisted at the next checkpoint).
     fn clear_synced(&mut self, chunk: u64) {
-        if self.meta.bitmap.clear(chunk) {
-            self.meta.cleared_blocks.insert(Bitmap::block_of(chunk));
+        if self.journal.clear_until_checkpoint(chunk) {
             let len = self.chunk_len(chunk);
             if let Some(s) = self.sync.as_mut() {
                 s.done_bytes += len;
@@ -399,7 +391,7 @@ impl Endpoint {
     pub(super) fn sync_message(&mut self, now: Instant, msg: Message) {
         match msg {
             Message::SyncBitmap { runs } => {
-                let chunks = self.meta.layout.chunks();
+                let chunks = self.journal.layout().chunks();
                 if runs.iter().any(|(f, n)| f.saturating_add(*n) > chunks) {
                     return self.protocol_violation(now, "bitmap runs past the disk".into());
                 }
@@ -412,19 +404,18 @@ impl Endpoint {
                 let mut changed = false;
                 for (first, count) in &runs {
                     for c in *first..first + count {
-                        if self.meta.bitmap.set(c) {
-                            self.meta.dirty_blocks.insert(Bitmap::block_of(c));
+                        if self.journal.mark(c) {
                             changed = true;
                         }
                     }
                 }
                 let gate = if changed {
-                    self.meta_touch()
+                    self.journal.touch()
                 } else {
-                    self.meta.requested
+                    self.journal.latest()
                 };
-                let count = self.meta.bitmap.count();
-                let total = (count * self.meta.layout.chunk_size()).min(self.cfg.size);
+                let count = self.journal.bitmap().count();
+                let total = (count * self.journal.layout().chunk_size()).min(self.cfg.size);
                 let Some(s) = self.sync.as_mut() else { return };
                 s.got_peer_bitmap = true;
                 s.gate = gate;
@@ -442,7 +433,7 @@ impl Endpoint {
                 if matches!(&self.sync, Some(s) if s.role == SyncRole::Source) {
                     return self.protocol_violation(now, "resync data sent to the source".into());
                 }
-                let cs = self.meta.layout.chunk_size();
+                let cs = self.journal.layout().chunk_size();
                 let len = data.len() as u64;
                 let end = offset.saturating_add(len);
                 if self.chunk_of(offset).is_none()
@@ -459,7 +450,7 @@ impl Endpoint {
                 if let Some(s) = self.sync.as_mut() {
                     s.transferred_bytes += data.len() as u64;
                 }
-                if self.detached {
+                if self.is_detached() {
                     // The source ends its run on this failed ack; this side ends its own
                     // too, or it would wait for the rest forever (and an operator's
                     // attach, which needs no run going, could never start).
@@ -491,7 +482,7 @@ impl Endpoint {
                 let Some(chunk) = self.chunk_of(offset) else {
                     return self.protocol_violation(now, format!("resync ack at {offset}"));
                 };
-                let layout = self.meta.layout;
+                let layout = self.journal.layout();
                 let Some(s) = self.sync.as_mut().filter(|s| s.role == SyncRole::Source) else {
                     return;
                 };
@@ -512,7 +503,7 @@ impl Endpoint {
                         }
                     }
                     Status::Failed(code) => {
-                        self.peer_incomplete = true;
+                        self.peer_copy = PeerCopy::Incomplete;
                         // Only a detached replica fails resync data (a failed write
                         // detaches it): no chunk would succeed on this link, and
                         // retrying would spin.
@@ -538,7 +529,7 @@ impl Endpoint {
                 if u64::from(len) != self.chunk_len(chunk) {
                     return self.protocol_violation(now, format!("checksum of {len} bytes"));
                 }
-                if self.detached {
+                if self.is_detached() {
                     return self.send(
                         now,
                         Message::SyncCrcReply {
@@ -590,15 +581,14 @@ impl Endpoint {
                     if verify {
                         s.done_bytes += len;
                         warn!(disk = %self.cfg.disk_name, "verify: chunk {chunk} (offset {offset}) differs from the peer's; repairing from this node");
-                        if self.meta.bitmap.set(chunk) {
-                            self.meta.dirty_blocks.insert(Bitmap::block_of(chunk));
-                            self.meta_touch();
+                        if self.journal.mark(chunk) {
+                            self.journal.touch();
                         }
                     }
                     if let Some(s) = self.sync.as_mut() {
                         s.runs.insert(chunk, 1);
                     }
-                    let (offset, len) = self.meta.layout.chunk_range(chunk);
+                    let (offset, len) = self.journal.layout().chunk_range(chunk);
                     self.push_apply(
                         ApplyKind::SyncRead {
                             offset,
@@ -612,13 +602,9 @@ impl Endpoint {
                 self.sync_pump(now);
             }
             Message::SyncCheckpoint { id } => {
-                let cleared = std::mem::take(&mut self.meta.cleared_blocks);
-                self.meta.dirty_blocks.extend(cleared);
-                self.meta.flush_data = true;
-                let mgen = self.meta_touch();
-                self.meta
-                    .waiters
-                    .push((mgen, MetaWaiter::CheckpointAck(id)));
+                self.journal.persist_cleared();
+                let mgen = self.journal.touch();
+                self.journal.wait(mgen, MetaWaiter::CheckpointAck(id));
             }
             Message::SyncCheckpointAck { id, status } => {
                 let Some(s) = self.sync.as_mut() else { return };
@@ -638,11 +624,9 @@ impl Endpoint {
                 }
                 if status == Status::Ok {
                     for c in chunks {
-                        if self.meta.bitmap.clear(c) {
-                            self.meta.dirty_blocks.insert(Bitmap::block_of(c));
-                        }
+                        self.journal.clear(c);
                     }
-                    self.meta_touch();
+                    self.journal.touch();
                 } else {
                     warn!(disk = %self.cfg.disk_name, "peer failed a resync checkpoint; those chunks are copied again");
                 }
@@ -651,7 +635,7 @@ impl Endpoint {
             Message::SyncDone { generations } => {
                 let summary = match self.sync.take() {
                     Some(s) if s.role == SyncRole::Target => s.summary(now, true),
-                    None if self.detached => {
+                    None if self.is_detached() => {
                         // The run this node aborted when its replica lost data or was
                         // detached: its data is not the source's, it stays inconsistent.
                         info!(disk = %self.cfg.disk_name, "resync done on the peer, but this replica is detached: it stays inconsistent");
@@ -662,20 +646,8 @@ impl Endpoint {
                         return self.protocol_violation(now, "resync done unexpectedly".into());
                     }
                 };
-                self.meta.sb.generations = generations;
-                self.meta.sb.inconsistent = false;
-                self.meta.sb.crashed = false;
-                self.meta.dirty_sb = true;
-                if self.meta.bitmap.count() > 0 {
-                    self.meta.bitmap = Bitmap::new(self.meta.layout.chunks());
-                    self.meta
-                        .dirty_blocks
-                        .extend(0..self.meta.layout.bitmap_blocks());
-                }
-                let cleared = std::mem::take(&mut self.meta.cleared_blocks);
-                self.meta.dirty_blocks.extend(cleared);
-                self.meta.flush_data = true;
-                self.meta_touch();
+                self.journal.finish_as_target(generations);
+                self.journal.touch();
                 info!(
                     disk = %self.cfg.disk_name,
                     "{} done as target: {} bytes received in {:?}; in sync",
@@ -695,9 +667,9 @@ impl Endpoint {
     /// The peer's replica lost data and asks for a full resync from this node.
     fn sync_requested(&mut self, now: Instant) {
         let (me, peer) = (self.cfg.node_id, self.cfg.peer_id);
-        let cannot = if self.detached {
+        let cannot = if self.is_detached() {
             Some("its own replica is detached")
-        } else if self.meta.sb.inconsistent
+        } else if self.journal.is_inconsistent()
             || matches!(&self.sync, Some(s) if s.role == SyncRole::Target)
         {
             Some("it is an unfinished sync target itself")
@@ -814,9 +786,8 @@ impl Endpoint {
                 if !verify && equal {
                     self.clear_synced(chunk);
                 }
-                if verify && !equal && self.meta.bitmap.set(chunk) {
-                    self.meta.dirty_blocks.insert(Bitmap::block_of(chunk));
-                    self.meta_touch();
+                if verify && !equal && self.journal.mark(chunk) {
+                    self.journal.touch();
                 }
                 if connected {
                     self.send(
@@ -856,7 +827,7 @@ impl Endpoint {
         if self.state != LinkState::Connected {
             return;
         }
-        let chunks = self.meta.layout.chunks();
+        let chunks = self.journal.layout().chunks();
         let cap = self.sync_cap();
         let busy = matches!(self.cfg.resync.rate, ResyncRate::Dynamic { .. }) && self.app_busy(now);
         let (window, max_run) = if busy {
@@ -869,7 +840,7 @@ impl Endpoint {
             if s.role != SyncRole::Source || !s.got_peer_bitmap || s.inflight.len() >= window {
                 break;
             }
-            let chunk_bytes = self.meta.layout.chunk_size() as f64;
+            let chunk_bytes = self.journal.layout().chunk_size() as f64;
             if cap > 0 {
                 let dt = now.saturating_duration_since(s.last_refill).as_secs_f64();
                 s.last_refill = now;
@@ -884,7 +855,7 @@ impl Endpoint {
             } else {
                 let mut from = s.cursor;
                 loop {
-                    match self.meta.bitmap.next_set(from) {
+                    match self.journal.bitmap().next_set(from) {
                         Some(c) if s.inflight.contains(&c) || s.pending_clear.contains(&c) => {
                             from = c + 1;
                         }
@@ -898,7 +869,7 @@ impl Endpoint {
             if s.kind == SyncKind::Bitmap {
                 while n < max_run
                     && chunk + n < chunks
-                    && self.meta.bitmap.get(chunk + n)
+                    && self.journal.bitmap().get(chunk + n)
                     && !s.inflight.contains(&(chunk + n))
                     && !s.pending_clear.contains(&(chunk + n))
                 {
@@ -918,8 +889,8 @@ impl Endpoint {
                 SyncKind::Checksum => ReadMode::Crc,
                 SyncKind::Bitmap => ReadMode::Data,
             };
-            let (offset, _) = self.meta.layout.chunk_range(chunk);
-            let (last, last_len) = self.meta.layout.chunk_range(chunk + n - 1);
+            let (offset, _) = self.journal.layout().chunk_range(chunk);
+            let (last, last_len) = self.journal.layout().chunk_range(chunk + n - 1);
             let len = last + last_len - offset;
             self.push_apply(
                 ApplyKind::SyncRead {
@@ -939,11 +910,11 @@ impl Endpoint {
             return false;
         }
         if s.kind == SyncKind::Verify {
-            return s.cursor >= self.meta.layout.chunks();
+            return s.cursor >= self.journal.layout().chunks();
         }
         let mut from = s.cursor;
         loop {
-            match self.meta.bitmap.next_set(from) {
+            match self.journal.bitmap().next_set(from) {
                 Some(c) if s.pending_clear.contains(&c) => from = c + 1,
                 Some(_) => return false,
                 None => return true,
@@ -973,7 +944,7 @@ impl Endpoint {
         if !(scan_done && s.acked.is_empty() && s.checkpoint.is_none()) {
             return;
         }
-        if s.kind != SyncKind::Verify && self.meta.bitmap.count() > 0 {
+        if s.kind != SyncKind::Verify && self.journal.bitmap().count() > 0 {
             // Chunks that failed (or were marked meanwhile): another pass, from the
             // next timer tick (never recursively).
             s.cursor = 0;
@@ -992,43 +963,33 @@ impl Endpoint {
                 s.mismatches, summary.elapsed
             );
         } else {
-            let g = &mut self.meta.sb.generations;
-            if g.bitmap != 0 {
-                g.history = [g.bitmap, g.history[0]];
-                g.bitmap = 0;
-            }
-            if g.current == GEN_JUST_CREATED {
-                let new = self.random_generation();
-                self.meta.sb.generations.current = new;
-            }
-            self.meta.sb.crashed = false;
-            self.meta.dirty_sb = true;
-            let mgen = self.meta_touch();
-            let generations = self.meta.sb.generations;
+            self.journal.finish_as_source();
+            let mgen = self.journal.touch();
+            let generations = self.journal.generations();
             // The target hears "done" only once this replica's metadata no longer says it
             // went on alone: a crash before that must not leave a consistent target that
             // may go on alone beside a source whose metadata (bitmap generation still
             // set) makes it serve at once as the only writer after its restart.
-            self.meta.waiters.push((
+            self.journal.wait(
                 mgen,
                 MetaWaiter::SyncDone {
                     epoch: self.link_epoch,
                     generations,
                 },
-            ));
+            );
             // The peer holds everything again.
-            self.peer_incomplete = false;
-            if self.detached_alone {
+            self.peer_copy = PeerCopy::Complete;
+            if self.replica == Replica::DetachedAlone {
                 // This replica failed as the run ended: the peer, complete now, takes
                 // the I/O, and this replica is distrusted as after any other failure.
-                self.detached_alone = false;
+                self.replica = Replica::Detached;
                 self.distrust_replica();
-                self.meta.waiters.push((
+                self.journal.wait(
                     mgen,
                     MetaWaiter::ReplicaDetached {
                         epoch: self.link_epoch,
                     },
-                ));
+                );
             }
             info!(
                 disk = %self.cfg.disk_name,
@@ -1051,7 +1012,7 @@ impl Endpoint {
         let mut t = s.last_checkpoint + self.cfg.resync.checkpoint_interval;
         let cap = self.sync_cap();
         if cap > 0 {
-            let need = (self.meta.layout.chunk_size() as f64 - s.budget).max(0.0);
+            let need = (self.journal.layout().chunk_size() as f64 - s.budget).max(0.0);
             t = t.min(s.last_refill + Duration::from_secs_f64(need / cap as f64));
         }
         if matches!(self.cfg.resync.rate, ResyncRate::Dynamic { .. }) {
@@ -1120,7 +1081,7 @@ mod remark_tests {
             p.step(next[0]);
             guard += 1;
         }
-        let chunk_len = p.n[0].ep.meta.layout.chunk_size();
+        let chunk_len = p.n[0].ep.journal.layout().chunk_size();
         p.n[0]
             .ep
             .mark_unmirrored(Range::new(0, chunk_len.min(512)), false);
@@ -1136,7 +1097,7 @@ mod remark_tests {
             p.step(next[0]);
         }
         assert!(
-            p.n[0].ep.meta.bitmap.get(0),
+            p.n[0].ep.journal.bitmap().get(0),
             "the checkpoint cleared a chunk marked after its copy was acknowledged"
         );
         p.run();
