@@ -51,6 +51,7 @@ pub mod tcp;
 
 mod accept;
 mod auth;
+mod stream_rx;
 mod stream_tx;
 
 pub use lanes::LanesTransport;
