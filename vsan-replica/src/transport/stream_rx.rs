@@ -13,12 +13,34 @@
 //! data are slices of that buffer, not copies.
 
 use std::future::Future;
+use std::time::Duration;
 
 use bytes::BytesMut;
 use vsan_core::{Error, ErrorKind, IoFuture, Result};
 
-use super::{LinkRx, remember};
+use super::stream_tx::{StreamSink, StreamTx};
+use super::{Link, LinkRx, remember};
 use crate::wire::{self, Message};
+
+/// A link over a byte stream: the shared sending half over `sink` (holding senders back
+/// above `send_queue_limit` bytes, closing within `close_timeout`) and the shared
+/// receiving half over `source`, `received` already read from it.
+pub(super) fn stream_link(
+    sink: impl StreamSink,
+    source: impl StreamSource,
+    received: BytesMut,
+    send_queue_limit: usize,
+    close_timeout: Duration,
+) -> Link {
+    let tx = StreamTx::new(
+        sink,
+        source.peer().to_string(),
+        send_queue_limit,
+        close_timeout,
+    );
+    let rx = StreamRx::new(source, received);
+    Link::new(Box::new(tx), Box::new(rx))
+}
 
 /// What a byte-stream transport supplies to [`StreamRx`]: its end of the stream.
 ///

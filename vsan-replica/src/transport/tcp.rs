@@ -57,8 +57,8 @@ use vsan_core::{Error, ErrorKind, IoFuture, Result};
 
 use super::accept::AcceptQueue;
 use super::auth::{self, Role};
-use super::stream_rx::{StreamRx, StreamSource, peer_closed};
-use super::stream_tx::{StreamSink, StreamTx, frame_parts};
+use super::stream_rx::{StreamSource, peer_closed, stream_link};
+use super::stream_tx::{StreamSink, frame_parts};
 use super::{Link, Listener, Transport};
 use crate::wire::Frame;
 
@@ -242,14 +242,13 @@ async fn establish(mut stream: TcpStream, role: Role, config: &TcpConfig) -> Res
         stream: Arc::clone(&stream),
         peer: peer.clone(),
     };
-    let tx = StreamTx::new(
+    Ok(stream_link(
         sink,
-        peer.clone(),
+        TcpSource { stream, peer },
+        received,
         config.send_queue_limit,
         config.close_timeout,
-    );
-    let rx = StreamRx::new(TcpSource { stream, peer }, received);
-    Ok(Link::new(Box::new(tx), Box::new(rx)))
+    ))
 }
 
 async fn accept_loop(

@@ -1,5 +1,6 @@
 //! A QUIC link: one bidirectional stream; its sending half is the shared
-//! [`StreamTx`] over a [`QuicSink`], its receiving half the shared [`StreamRx`] over a
+//! [`StreamTx`](crate::transport::stream_tx::StreamTx) over a [`QuicSink`], its receiving
+//! half the shared [`StreamRx`](crate::transport::stream_rx::StreamRx) over a
 //! [`QuicSource`].
 
 use std::sync::Arc;
@@ -15,8 +16,8 @@ use super::{
     CODE_ABANDONED, CODE_BAD_FRAME, CODE_DONE, MAX_BATCH_BYTES, MAX_CHUNKS, QuicConfig,
     READ_CHUNKS, READ_RESERVE,
 };
-use crate::transport::stream_rx::{StreamRx, StreamSource, peer_closed};
-use crate::transport::stream_tx::{StreamSink, StreamTx};
+use crate::transport::stream_rx::{StreamSource, peer_closed, stream_link};
+use crate::transport::stream_tx::StreamSink;
 use crate::transport::{Link, remember};
 
 /// What both halves of a link share: the connection, and the first fatal error.
@@ -60,14 +61,13 @@ pub(super) fn make_link(
         abandon: Notify::new(),
         peer: peer.clone(),
     };
-    let tx = StreamTx::new(
+    stream_link(
         sink,
-        peer.clone(),
+        QuicSource { link, recv, peer },
+        BytesMut::new(),
         config.send_queue_limit,
         config.close_timeout,
-    );
-    let rx = StreamRx::new(QuicSource { link, recv, peer }, BytesMut::new());
-    Link::new(Box::new(tx), Box::new(rx))
+    )
 }
 
 /// The QUIC end of a link's sending half: the link's one stream.

@@ -23,8 +23,8 @@ use super::doorbell::{drain_bell, ring_bell};
 use super::region::Region;
 use super::ring::Ring;
 use super::{MAX_BATCH_BYTES, MAX_BATCH_PARTS, SPIN_CHECKS, ShmConfig, protocol};
-use crate::transport::stream_rx::{StreamRx, StreamSource};
-use crate::transport::stream_tx::{StreamSink, StreamTx, frame_parts};
+use crate::transport::stream_rx::{StreamSource, stream_link};
+use crate::transport::stream_tx::{StreamSink, frame_parts};
 use crate::transport::{Link, remember};
 use crate::wire::Frame;
 
@@ -201,19 +201,18 @@ pub(super) fn link_over(conn: Conn, config: &ShmConfig) -> Link {
         conn: Arc::clone(&conn),
         tail: AtomicU64::new(0),
     };
-    let tx = StreamTx::new(
-        sink,
-        conn.peer.clone(),
-        config.send_queue_limit,
-        config.close_timeout,
-    );
     let source = ShmSource {
         ring: conn.rx_ring.clone(),
         conn,
         head: 0,
     };
-    let rx = StreamRx::new(source, BytesMut::new());
-    Link::new(Box::new(tx), Box::new(rx))
+    stream_link(
+        sink,
+        source,
+        BytesMut::new(),
+        config.send_queue_limit,
+        config.close_timeout,
+    )
 }
 
 // ----- sending -----
