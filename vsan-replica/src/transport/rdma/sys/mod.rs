@@ -141,6 +141,19 @@ fn hello(config: &RdmaConfig) -> [u8; HELLO_LEN] {
     out
 }
 
+/// The connection parameters both `rdma_connect` and `rdma_accept` take: `hello` as the
+/// private data, the most retries. The result points into `hello`, which must outlive its
+/// use.
+fn conn_param(hello: &[u8; HELLO_LEN]) -> ffi::rdma_conn_param {
+    // SAFETY: an all-zero connection parameter block is valid; fields set below.
+    let mut param: ffi::rdma_conn_param = unsafe { mem::zeroed() };
+    param.private_data = hello.as_ptr().cast::<c_void>();
+    param.private_data_len = HELLO_LEN as u8;
+    param.retry_count = 7;
+    param.rnr_retry_count = 7;
+    param
+}
+
 /// The peer's hello, checked; a peer that sent none, or one out of range, broke the
 /// protocol ([`Protocol`](ErrorKind::Protocol)).
 fn parse_hello(data: &[u8]) -> Result<PeerParams> {
@@ -249,14 +262,9 @@ async fn dial(target: SocketAddr, config: &RdmaConfig) -> Result<(Conn, PeerPara
     conn.build()?;
     {
         let hello = hello(config);
-        // SAFETY: an all-zero connection parameter block is valid; fields set below.
-        let mut param: ffi::rdma_conn_param = unsafe { mem::zeroed() };
-        param.private_data = hello.as_ptr().cast::<c_void>();
-        param.private_data_len = HELLO_LEN as u8;
-        param.retry_count = 7;
-        param.rnr_retry_count = 7;
-        // SAFETY: valid id with a queue pair; `param` and `hello` outlive the call,
-        // which copies the private data.
+        let mut param = conn_param(&hello);
+        // SAFETY: valid id with a queue pair; `param` and the `hello` it points into
+        // outlive the call, which copies the private data.
         if unsafe { ffi::rdma_connect(conn.id, &mut param) } != 0 {
             return Err(os_error(&format!("rdma_connect to {target}")));
         }
@@ -498,14 +506,9 @@ async fn accept_one(mut conn: Conn, params: PeerParams, config: &RdmaConfig) -> 
     }
     {
         let hello = hello(config);
-        // SAFETY: an all-zero connection parameter block is valid; fields set below.
-        let mut param: ffi::rdma_conn_param = unsafe { mem::zeroed() };
-        param.private_data = hello.as_ptr().cast::<c_void>();
-        param.private_data_len = HELLO_LEN as u8;
-        param.retry_count = 7;
-        param.rnr_retry_count = 7;
-        // SAFETY: valid request id with a queue pair; `param` and `hello` outlive the
-        // call, which copies the private data.
+        let mut param = conn_param(&hello);
+        // SAFETY: valid request id with a queue pair; `param` and the `hello` it points
+        // into outlive the call, which copies the private data.
         if unsafe { ffi::rdma_accept(conn.id, &mut param) } != 0 {
             return Err(io(os_error("rdma_accept")));
         }
