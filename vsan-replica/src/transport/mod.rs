@@ -14,7 +14,10 @@
 //! A link carries [`Message`] values. Byte-stream transports frame them with the one
 //! codec in [`crate::wire`]; the in-process transport passes the values themselves,
 //! zero-copy, but checks them with [`wire::validate`](crate::wire::validate) so every
-//! transport accepts and refuses the same messages.
+//! transport accepts and refuses the same messages. The byte-stream links (tcp, shm,
+//! quic) share both halves: `stream_tx.rs` is their sending half (queue, room, close and
+//! drain), `stream_rx.rs` their receiving half (decode, the bad-frame rule); each
+//! transport supplies only its end of the stream, a sink and a source.
 //!
 //! | transport | module | addresses | what it is for |
 //! |---|---|---|---|
@@ -51,6 +54,7 @@ pub mod tcp;
 
 mod accept;
 mod auth;
+mod stream_rx;
 mod stream_tx;
 
 pub use lanes::LanesTransport;

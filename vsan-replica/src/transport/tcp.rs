@@ -57,10 +57,10 @@ use vsan_core::{Error, ErrorKind, IoFuture, Result};
 
 use super::accept::AcceptQueue;
 use super::auth::{self, Role};
-use super::stream_tx::{StreamSink, StreamTx, frame_parts};
-use super::{Link, LinkRx, Listener, Transport, remember};
-use crate::wire::Message;
-use crate::wire::{self, Frame};
+use super::stream_rx::{StreamSource, peer_closed, stream_link};
+use super::stream_tx::{StreamSink, frame_parts};
+use super::{Link, Listener, Transport};
+use crate::wire::Frame;
 
 /// Most slices handed to one vectored write.
 const MAX_IOVECS: usize = 64;
@@ -242,19 +242,13 @@ async fn establish(mut stream: TcpStream, role: Role, config: &TcpConfig) -> Res
         stream: Arc::clone(&stream),
         peer: peer.clone(),
     };
-    let tx = StreamTx::new(
+    Ok(stream_link(
         sink,
-        peer.clone(),
+        TcpSource { stream, peer },
+        received,
         config.send_queue_limit,
         config.close_timeout,
-    );
-    let rx = TcpRx {
-        stream,
-        buf: received,
-        failed: None,
-        peer,
-    };
-    Ok(Link::new(Box::new(tx), Box::new(rx)))
+    ))
 }
 
 async fn accept_loop(
@@ -399,65 +393,31 @@ fn write_now_many(stream: &TcpStream, frames: &[Frame]) -> io::Result<usize> {
     Ok(done)
 }
 
-/// The receiving half of a TCP link.
+/// The TCP end of a link's receiving half: the socket.
 #[derive(Debug)]
-struct TcpRx {
+struct TcpSource {
     stream: Arc<TcpStream>,
-    /// Received bytes not yet decoded; decoded data are slices of it.
-    buf: BytesMut,
-    /// The first error; every later `recv` reports it.
-    failed: Option<(ErrorKind, String)>,
     peer: String,
 }
 
-impl TcpRx {
-    async fn next(&mut self) -> Result<Message> {
-        if let Some((kind, context)) = &self.failed {
-            return Err(Error::new(*kind, context.clone()));
+impl StreamSource for TcpSource {
+    fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    async fn fill(&mut self, buf: &mut BytesMut) -> Result<()> {
+        if buf.capacity() - buf.len() < READ_MIN_ROOM {
+            buf.reserve(READ_CHUNK);
         }
-        loop {
-            match wire::decode(&mut self.buf) {
-                Ok(Some(msg)) => return Ok(msg),
-                Ok(None) => {}
-                Err(e) => {
-                    // Never trusted again: the send half fails too, and the peer sees
-                    // the connection end.
-                    let _ = SockRef::from(&*self.stream).shutdown(Shutdown::Both);
-                    let err = Error::with_source(
-                        ErrorKind::Protocol,
-                        format!("{}: received a bad frame", self.peer),
-                        e,
-                    );
-                    return Err(self.fail(err));
-                }
-            }
-            if self.buf.capacity() - self.buf.len() < READ_MIN_ROOM {
-                self.buf.reserve(READ_CHUNK);
-            }
-            let read = read_some(&self.stream, &mut self.buf).await;
-            let err = match read {
-                Ok(0) if self.buf.is_empty() => Error::new(
-                    ErrorKind::Closed,
-                    format!("{}: peer closed the link", self.peer),
-                ),
-                Ok(0) => Error::new(
-                    ErrorKind::Closed,
-                    format!(
-                        "{}: peer closed the link in the middle of a frame ({} bytes of it received)",
-                        self.peer,
-                        self.buf.len()
-                    ),
-                ),
-                Ok(_) => continue,
-                Err(e) => Error::io(format!("{}: receive", self.peer), e),
-            };
-            return Err(self.fail(err));
+        match read_some(&self.stream, buf).await {
+            Ok(0) => Err(peer_closed(&self.peer, buf.len())),
+            Ok(_) => Ok(()),
+            Err(e) => Err(Error::io(format!("{}: receive", self.peer), e)),
         }
     }
 
-    fn fail(&mut self, err: Error) -> Error {
-        self.failed = Some(remember(&err));
-        err
+    fn distrust(&mut self, _err: &Error) {
+        let _ = SockRef::from(&*self.stream).shutdown(Shutdown::Both);
     }
 }
 
@@ -470,15 +430,5 @@ async fn read_some(stream: &TcpStream, buf: &mut BytesMut) -> io::Result<usize> 
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             result => return result,
         }
-    }
-}
-
-impl LinkRx for TcpRx {
-    fn recv(&mut self) -> IoFuture<'_, Message> {
-        Box::pin(self.next())
-    }
-
-    fn peer(&self) -> &str {
-        &self.peer
     }
 }

@@ -1,5 +1,7 @@
 //! A QUIC link: one bidirectional stream; its sending half is the shared
-//! [`StreamTx`] over a [`QuicSink`], its receiving half decodes frames from the stream.
+//! [`StreamTx`](crate::transport::stream_tx::StreamTx) over a [`QuicSink`], its receiving
+//! half the shared [`StreamRx`](crate::transport::stream_rx::StreamRx) over a
+//! [`QuicSource`].
 
 use std::sync::Arc;
 
@@ -7,17 +9,16 @@ use bytes::{Bytes, BytesMut};
 use parking_lot::Mutex;
 use quinn::{Connection, ConnectionError, Endpoint, RecvStream, SendStream, StoppedError, VarInt};
 use tokio::sync::Notify;
-use vsan_core::{Error, ErrorKind, IoFuture, Result};
+use vsan_core::{Error, ErrorKind, Result};
 
 use super::errors::{connection_error, read_error, write_error};
 use super::{
     CODE_ABANDONED, CODE_BAD_FRAME, CODE_DONE, MAX_BATCH_BYTES, MAX_CHUNKS, QuicConfig,
     READ_CHUNKS, READ_RESERVE,
 };
-use crate::transport::stream_tx::{StreamSink, StreamTx};
-use crate::transport::{Link, LinkRx, remember};
-use crate::wire;
-use crate::wire::Message;
+use crate::transport::stream_rx::{StreamSource, peer_closed, stream_link};
+use crate::transport::stream_tx::StreamSink;
+use crate::transport::{Link, remember};
 
 /// What both halves of a link share: the connection, and the first fatal error.
 #[derive(Debug)]
@@ -60,20 +61,13 @@ pub(super) fn make_link(
         abandon: Notify::new(),
         peer: peer.clone(),
     };
-    let tx = StreamTx::new(
+    stream_link(
         sink,
-        peer.clone(),
+        QuicSource { link, recv, peer },
+        BytesMut::new(),
         config.send_queue_limit,
         config.close_timeout,
-    );
-    let rx = QuicRx {
-        link,
-        recv,
-        buf: BytesMut::new(),
-        failed: None,
-        peer,
-    };
-    Link::new(Box::new(tx), Box::new(rx))
+    )
 }
 
 /// The QUIC end of a link's sending half: the link's one stream.
@@ -187,86 +181,42 @@ impl StreamSink for QuicSink {
     }
 }
 
-/// The receiving half of a QUIC link.
+/// The QUIC end of a link's receiving half: the link's one stream.
 #[derive(Debug)]
-pub(super) struct QuicRx {
+pub(super) struct QuicSource {
     link: Arc<LinkShared>,
     recv: RecvStream,
-    /// Received bytes not yet decoded; decoded data are slices of it.
-    buf: BytesMut,
-    /// The first error; every later `recv` reports it.
-    failed: Option<(ErrorKind, String)>,
     peer: String,
 }
 
-impl QuicRx {
-    async fn next(&mut self) -> Result<Message> {
-        if let Some((kind, context)) = &self.failed {
-            return Err(Error::new(*kind, context.clone()));
-        }
-        loop {
-            match wire::decode(&mut self.buf) {
-                Ok(Some(msg)) => return Ok(msg),
-                Ok(None) => {}
-                Err(e) => {
-                    let err = Error::with_source(
-                        ErrorKind::Protocol,
-                        format!("{}: received a bad frame", self.peer),
-                        e,
-                    );
-                    // Never trusted again: the send half fails too, and the peer sees
-                    // the connection end.
-                    *self.link.fatal.lock() = Some(remember(&err));
-                    self.link
-                        .conn
-                        .close(VarInt::from_u32(CODE_BAD_FRAME), b"received a bad frame");
-                    return Err(self.fail(err));
-                }
-            }
-            let mut chunks: [Bytes; READ_CHUNKS] = std::array::from_fn(|_| Bytes::new());
-            let read = self.recv.read_chunks(&mut chunks).await;
-            let err = match read {
-                Ok(Some(n)) => {
-                    let chunks = &chunks[..n];
-                    let total: usize = chunks.iter().map(Bytes::len).sum();
-                    if self.buf.capacity() - self.buf.len() < total {
-                        self.buf.reserve(total.max(READ_RESERVE));
-                    }
-                    for c in chunks {
-                        self.buf.extend_from_slice(c);
-                    }
-                    continue;
-                }
-                Ok(None) if self.buf.is_empty() => Error::new(
-                    ErrorKind::Closed,
-                    format!("{}: peer closed the link", self.peer),
-                ),
-                Ok(None) => Error::new(
-                    ErrorKind::Closed,
-                    format!(
-                        "{}: peer closed the link in the middle of a frame ({} bytes of it received)",
-                        self.peer,
-                        self.buf.len()
-                    ),
-                ),
-                Err(e) => read_error(&e, &format!("{}: receive", self.peer)),
-            };
-            return Err(self.fail(err));
-        }
-    }
-
-    fn fail(&mut self, err: Error) -> Error {
-        self.failed = Some(remember(&err));
-        err
-    }
-}
-
-impl LinkRx for QuicRx {
-    fn recv(&mut self) -> IoFuture<'_, Message> {
-        Box::pin(self.next())
-    }
-
+impl StreamSource for QuicSource {
     fn peer(&self) -> &str {
         &self.peer
+    }
+
+    async fn fill(&mut self, buf: &mut BytesMut) -> Result<()> {
+        let mut chunks: [Bytes; READ_CHUNKS] = std::array::from_fn(|_| Bytes::new());
+        match self.recv.read_chunks(&mut chunks).await {
+            Ok(Some(n)) => {
+                let chunks = &chunks[..n];
+                let total: usize = chunks.iter().map(Bytes::len).sum();
+                if buf.capacity() - buf.len() < total {
+                    buf.reserve(total.max(READ_RESERVE));
+                }
+                for c in chunks {
+                    buf.extend_from_slice(c);
+                }
+                Ok(())
+            }
+            Ok(None) => Err(peer_closed(&self.peer, buf.len())),
+            Err(e) => Err(read_error(&e, &format!("{}: receive", self.peer))),
+        }
+    }
+
+    fn distrust(&mut self, err: &Error) {
+        *self.link.fatal.lock() = Some(remember(err));
+        self.link
+            .conn
+            .close(VarInt::from_u32(CODE_BAD_FRAME), b"received a bad frame");
     }
 }

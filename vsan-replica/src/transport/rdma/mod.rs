@@ -202,8 +202,8 @@ impl RdmaConfig {
 #[derive(Debug)]
 #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
 enum Setup {
-    /// RDMA cannot be set up: fall back to TCP (why, in words).
-    Unavailable(String),
+    /// RDMA cannot be set up: fall back to TCP (why; its context is the reason shown).
+    Unavailable(Error),
     /// RDMA was set up but the link failed in a way TCP would not fix (the peer's
     /// authentication failed): report it.
     Failed(Error),
@@ -301,7 +301,7 @@ impl Transport for RdmaTransport {
                 }
                 Err(Setup::Failed(e)) => Err(e),
                 Err(Setup::Unavailable(why)) => {
-                    self.note_fallback(&why);
+                    self.note_fallback(why.context());
                     self.inner.tcp.connect(addr).await
                 }
             }
@@ -319,7 +319,7 @@ impl Transport for RdmaTransport {
                     Some(listener)
                 }
                 Err(why) => {
-                    self.note_fallback(&why);
+                    self.note_fallback(why.context());
                     None
                 }
             };
@@ -382,22 +382,23 @@ impl Listener for RdmaLinkListener {
 /// Builds without the `rdma` feature: RDMA is never available.
 #[cfg(not(feature = "rdma"))]
 mod backend {
+    use vsan_core::{Error, ErrorKind, Result};
+
     use super::{Link, Listener, RdmaConfig, Setup};
 
-    const WHY: &str = "built without the rdma feature";
+    fn why() -> Error {
+        Error::new(ErrorKind::NotSupported, "built without the rdma feature")
+    }
 
     pub(super) async fn connect(
         _addr: &str,
         _config: &RdmaConfig,
     ) -> std::result::Result<Link, Setup> {
-        Err(Setup::Unavailable(WHY.to_string()))
+        Err(Setup::Unavailable(why()))
     }
 
-    pub(super) async fn listen(
-        _addr: &str,
-        _config: &RdmaConfig,
-    ) -> std::result::Result<Box<dyn Listener>, String> {
-        Err(WHY.to_string())
+    pub(super) async fn listen(_addr: &str, _config: &RdmaConfig) -> Result<Box<dyn Listener>> {
+        Err(why())
     }
 }
 

@@ -7,7 +7,7 @@ use bytes::Bytes;
 use proptest::prelude::*;
 use rand::rngs::SmallRng;
 use rand::{Rng, RngCore, SeedableRng};
-use vsan_core::ErrorKind;
+use vsan_core::{Error, ErrorKind, Result};
 
 use super::engine::{CHUNK_HEADER_LEN, ChunkHeader, Engine, PeerParams};
 use super::fake::{self, FakeNet, FakeVerbs, Pool};
@@ -67,32 +67,34 @@ fn messages(sizes: &[usize], rng: &mut SmallRng) -> VecDeque<Message> {
 }
 
 /// Takes every whole message side `s` has, checking each against what it expects.
-fn take_all(eng: &mut Engine<FakeVerbs>, expect: &mut VecDeque<Message>) -> Result<usize, String> {
+fn take_all(eng: &mut Engine<FakeVerbs>, expect: &mut VecDeque<Message>) -> Result<usize> {
     let mut n = 0;
-    while let Some(m) = eng.take_message().map_err(|e| e.to_string())? {
+    while let Some(m) = eng.take_message()? {
         let want = expect
             .pop_front()
-            .ok_or_else(|| format!("an extra message arrived: {m:?}"))?;
+            .ok_or_else(|| broken(format!("an extra message arrived: {m:?}")))?;
         if m != want {
-            return Err(format!("out of order or corrupt: got {m:?}, want {want:?}"));
+            return Err(broken(format!(
+                "out of order or corrupt: got {m:?}, want {want:?}"
+            )));
         }
         n += 1;
     }
     Ok(n)
 }
 
-fn check_net(net: &FakeNet, eng: &[Engine<FakeVerbs>; 2], pools: [Pool; 2]) -> Result<(), String> {
+fn check_net(net: &FakeNet, eng: &[Engine<FakeVerbs>; 2], pools: [Pool; 2]) -> Result<()> {
     let n = net.lock();
     if let Some(v) = n.violations.first() {
-        return Err(v.clone());
+        return Err(broken(v.clone()));
     }
     for s in 0..2 {
         let peer_bufs = pools[1 - s].recv_bufs as u32;
         if eng[s].credits() > peer_bufs {
-            return Err(format!(
+            return Err(broken(format!(
                 "side {s} holds {} credits for {peer_bufs} buffers",
                 eng[s].credits()
-            ));
+            )));
         }
     }
     Ok(())
@@ -106,13 +108,12 @@ fn random_run(
     sizes: [&[usize]; 2],
     read_chance: f64,
     steps: usize,
-) -> Result<(), String> {
+) -> Result<()> {
     let mut rng = SmallRng::seed_from_u64(seed);
     let (mut eng, net) = engines(pools[0], pools[1], false);
     let mut to_send = [messages(sizes[0], &mut rng), messages(sizes[1], &mut rng)];
     // Side s expects what the other side sends.
     let mut expect = [to_send[1].clone(), to_send[0].clone()];
-    let err = |e: vsan_core::Error| e.to_string();
 
     for _ in 0..steps {
         let action = rng.random_range(0..10u32);
@@ -126,7 +127,7 @@ fn random_run(
                         eng[s].queue_frame(wire::encode(&m).unwrap());
                     }
                 }
-                eng[s].flush().map_err(err)?;
+                eng[s].flush()?;
             }
             1 => {
                 net.lock().deliver(s);
@@ -135,7 +136,7 @@ fn random_run(
                 let pick = rng.random_range(0..64);
                 net.lock().complete_send(s, pick);
             }
-            3 => eng[s].pump().map_err(err)?,
+            3 => eng[s].pump()?,
             _ => {
                 if rng.random_bool(read_chance) {
                     take_all(&mut eng[s], &mut expect[s])?;
@@ -151,7 +152,7 @@ fn random_run(
             while let Some(m) = to_send[s].pop_front() {
                 eng[s].queue_frame(wire::encode(&m).unwrap());
             }
-            eng[s].flush().map_err(err)?;
+            eng[s].flush()?;
         }
         let mut moved = false;
         for s in 0..2 {
@@ -163,7 +164,7 @@ fn random_run(
             }
         }
         for s in 0..2 {
-            eng[s].pump().map_err(err)?;
+            eng[s].pump()?;
             moved |= take_all(&mut eng[s], &mut expect[s])? > 0;
         }
         check_net(&net, &eng, pools)?;
@@ -174,19 +175,19 @@ fn random_run(
         };
         if !moved && in_flight == 0 {
             if queued > 0 || !expect[0].is_empty() || !expect[1].is_empty() {
-                return Err(format!(
+                return Err(broken(format!(
                     "deadlock after {round} drain rounds: {queued} bytes queued, \
                      {}/{} messages missing, credits {}/{}",
                     expect[0].len(),
                     expect[1].len(),
                     eng[0].credits(),
                     eng[1].credits()
-                ));
+                )));
             }
             break;
         }
         if round > 1_000_000 {
-            return Err("no quiescence".into());
+            return Err(broken("no quiescence"));
         }
     }
 
@@ -195,18 +196,25 @@ fn random_run(
         let peer = 1 - s;
         let total = eng[s].credits() + eng[peer].owed();
         if total != pools[peer].recv_bufs as u32 {
-            return Err(format!(
+            return Err(broken(format!(
                 "credits leaked: side {s} holds {}, side {peer} owes {}, buffers {}",
                 eng[s].credits(),
                 eng[peer].owed(),
                 pools[peer].recv_bufs
-            ));
+            )));
         }
         if net.lock().posted(peer) != pools[peer].recv_bufs {
-            return Err(format!("side {peer} did not re-post every receive buffer"));
+            return Err(broken(format!(
+                "side {peer} did not re-post every receive buffer"
+            )));
         }
     }
     Ok(())
+}
+
+/// A run's check failed: the two engines broke the protocol they share.
+fn broken(why: impl Into<String>) -> Error {
+    Error::new(ErrorKind::Protocol, why)
 }
 
 // ----- the state machine -----

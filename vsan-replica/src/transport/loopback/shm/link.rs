@@ -1,5 +1,6 @@
 //! A link over the shared memory: what both halves share, the sending half's
-//! [`StreamSink`] (the ring this side writes) and the receiving half.
+//! [`StreamSink`] (the ring this side writes) and the receiving half's [`StreamSource`]
+//! (the ring this side reads).
 
 use std::io;
 use std::mem::MaybeUninit;
@@ -15,17 +16,17 @@ use socket2::SockRef;
 use tokio::io::Interest;
 use tokio::io::unix::AsyncFd;
 use tokio::net::UnixStream;
-use vsan_core::{Error, ErrorKind, IoFuture, Result};
+use vsan_core::{Error, ErrorKind, Result};
 
 use super::doorbell::{Bell, Bells};
 use super::doorbell::{drain_bell, ring_bell};
 use super::region::Region;
 use super::ring::Ring;
 use super::{MAX_BATCH_BYTES, MAX_BATCH_PARTS, SPIN_CHECKS, ShmConfig, protocol};
-use crate::transport::stream_tx::{StreamSink, StreamTx, frame_parts};
-use crate::transport::{Link, LinkRx, remember};
-use crate::wire::Message;
-use crate::wire::{self, Frame};
+use crate::transport::stream_rx::{StreamSource, stream_link};
+use crate::transport::stream_tx::{StreamSink, frame_parts};
+use crate::transport::{Link, remember};
+use crate::wire::Frame;
 
 /// Which end of the link this side is: the connector writes ring 0 and reads ring 1.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -200,20 +201,18 @@ pub(super) fn link_over(conn: Conn, config: &ShmConfig) -> Link {
         conn: Arc::clone(&conn),
         tail: AtomicU64::new(0),
     };
-    let tx = StreamTx::new(
-        sink,
-        conn.peer.clone(),
-        config.send_queue_limit,
-        config.close_timeout,
-    );
-    let rx = ShmRx {
+    let source = ShmSource {
         ring: conn.rx_ring.clone(),
         conn,
         head: 0,
-        buf: BytesMut::new(),
-        failed: None,
     };
-    Link::new(Box::new(tx), Box::new(rx))
+    stream_link(
+        sink,
+        source,
+        BytesMut::new(),
+        config.send_queue_limit,
+        config.close_timeout,
+    )
 }
 
 // ----- sending -----
@@ -355,63 +354,37 @@ impl StreamSink for ShmSink {
 
 // ----- receiving -----
 
-/// The receiving half of a shared-memory link.
+/// The shared-memory end of a link's receiving half: the ring this side reads.
 #[derive(Debug)]
-pub(super) struct ShmRx {
+pub(super) struct ShmSource {
     conn: Arc<Conn>,
     ring: Ring,
     /// This side's head, in private memory.
     head: u64,
-    /// Bytes copied out of the ring and not yet decoded; decoded data are slices of it.
-    buf: BytesMut,
-    /// The first error; every later `recv` reports it.
-    failed: Option<(ErrorKind, String)>,
 }
 
-impl ShmRx {
-    pub(super) fn fail(&mut self, err: Error) -> Error {
-        self.failed = Some(remember(&err));
-        err
-    }
-
-    /// Decodes the next frame of the buffer, if it is all there.
-    pub(super) fn decode(&mut self) -> Result<Option<Message>> {
-        match wire::decode(&mut self.buf) {
-            Ok(msg) => Ok(msg),
-            Err(e) => {
-                let err = Error::with_source(
-                    ErrorKind::Protocol,
-                    format!("{}: received a bad frame", self.conn.peer),
-                    e,
-                );
-                // Never trusted again: the send half fails too, and the peer sees the end.
-                self.conn.tear_down(&err);
-                Err(self.fail(err))
-            }
-        }
-    }
-
-    /// Copies everything in the ring into the buffer and frees it; returns how much.
-    pub(super) fn pull(&mut self) -> Result<usize> {
+impl ShmSource {
+    /// Copies everything in the ring into `buf` and frees it; returns how much.
+    pub(super) fn pull(&mut self, buf: &mut BytesMut) -> Result<usize> {
         let (avail, tail) = match self.ring.available(self.head) {
             Ok(found) => found,
             Err(why) => {
                 let err = why.context_prefix(&self.conn.peer);
                 self.conn.tear_down(&err);
-                return Err(self.fail(err));
+                return Err(err);
             }
         };
         if avail == 0 {
             return Ok(0);
         }
         let n = avail as usize;
-        self.buf.reserve(n);
+        buf.reserve(n);
         let copied = self
             .ring
-            .copy_out(self.head, &mut self.buf.spare_capacity_mut()[..n]);
+            .copy_out(self.head, &mut buf.spare_capacity_mut()[..n]);
         debug_assert_eq!(copied, n);
         // SAFETY: `copy_out` initialised the first `copied` bytes of the spare capacity.
-        unsafe { self.buf.set_len(self.buf.len() + copied) };
+        unsafe { buf.set_len(buf.len() + copied) };
         self.head = tail;
         self.ring.head().store(tail, Ordering::Release);
         fence(Ordering::SeqCst);
@@ -444,39 +417,39 @@ impl ShmRx {
         sleeping.store(0, Ordering::Relaxed);
     }
 
-    pub(super) fn end_error(&self, mut err: Error) -> Error {
-        if err.kind() == ErrorKind::Closed && !self.buf.is_empty() {
+    /// How the stream's end is reported, `buffered` bytes of an unfinished frame left.
+    pub(super) fn end_error(&self, mut err: Error, buffered: usize) -> Error {
+        if err.kind() == ErrorKind::Closed && buffered > 0 {
             err = Error::new(
                 ErrorKind::Closed,
                 format!(
-                    "{}: the peer closed the link in the middle of a frame ({} bytes of it \
-                     received)",
+                    "{}: the peer closed the link in the middle of a frame ({buffered} bytes \
+                     of it received)",
                     self.conn.peer,
-                    self.buf.len()
                 ),
             );
         }
         err
     }
+}
 
-    pub(super) async fn next(&mut self) -> Result<Message> {
-        if let Some((kind, context)) = &self.failed {
-            return Err(Error::new(*kind, context.clone()));
-        }
+impl StreamSource for ShmSource {
+    fn peer(&self) -> &str {
+        &self.conn.peer
+    }
+
+    async fn fill(&mut self, buf: &mut BytesMut) -> Result<()> {
         loop {
-            if let Some(msg) = self.decode()? {
-                return Ok(msg);
-            }
-            if self.pull()? > 0 {
-                continue;
+            if self.pull(buf)? > 0 {
+                return Ok(());
             }
             // The ring is empty. The flag is read before the tail again, so a close seen
             // here comes after every byte the peer wrote.
             let closed = self.ring.closed().load(Ordering::Acquire) != 0;
             let down = self.conn.down_error();
             if closed || down.is_some() {
-                if self.pull()? > 0 {
-                    continue;
+                if self.pull(buf)? > 0 {
+                    return Ok(());
                 }
                 let err = match down {
                     Some(err) if !closed => err,
@@ -485,25 +458,18 @@ impl ShmRx {
                         format!("{}: the peer closed the link", self.conn.peer),
                     ),
                 };
-                let err = self.end_error(err);
-                return Err(self.fail(err));
+                return Err(self.end_error(err, buf.len()));
             }
             self.wait().await;
         }
     }
-}
 
-impl LinkRx for ShmRx {
-    fn recv(&mut self) -> IoFuture<'_, Message> {
-        Box::pin(self.next())
-    }
-
-    fn peer(&self) -> &str {
-        &self.conn.peer
+    fn distrust(&mut self, err: &Error) {
+        self.conn.tear_down(err);
     }
 }
 
-impl Drop for ShmRx {
+impl Drop for ShmSource {
     fn drop(&mut self) {
         self.ring.consumer_gone().store(1, Ordering::Release);
         ring_bell(&self.conn.peer_room);

@@ -48,30 +48,32 @@ const LISTEN_BACKLOG: c_int = 16;
 /// Links accepted and not yet taken by `accept`.
 const ACCEPT_BACKLOG: usize = 16;
 
-fn os_error(what: &str) -> String {
-    format!("{what}: {}", io::Error::last_os_error())
+/// An OS or verbs call that failed, with the OS's reason: [`Io`](ErrorKind::Io).
+fn os_error(what: &str) -> Error {
+    Error::new(
+        ErrorKind::Io,
+        format!("{what}: {}", io::Error::last_os_error()),
+    )
 }
 
-/// `Ok` when at least one RDMA device is present.
-fn probe() -> std::result::Result<(), String> {
+/// `Ok` when at least one RDMA device is present; [`NotSupported`](ErrorKind::NotSupported)
+/// when this machine has none.
+fn probe() -> Result<()> {
     let mut count: c_int = 0;
     // SAFETY: `ibv_get_device_list` only writes the count through the valid pointer.
     let list = unsafe { ffi::ibv_get_device_list(&mut count) };
     if list.is_null() {
-        return Err(format!(
-            "no RDMA device: ibv_get_device_list: {}",
-            io::Error::last_os_error()
-        ));
+        return Err(os_error("no RDMA device: ibv_get_device_list"));
     }
     // SAFETY: `list` came from `ibv_get_device_list` and is freed once, here.
     unsafe { ffi::ibv_free_device_list(list) };
     if count <= 0 {
-        return Err("no RDMA device".to_string());
+        return Err(Error::new(ErrorKind::NotSupported, "no RDMA device"));
     }
     Ok(())
 }
 
-fn set_nonblocking(fd: RawFd) -> std::result::Result<(), String> {
+fn set_nonblocking(fd: RawFd) -> Result<()> {
     // SAFETY: fcntl on a descriptor we own (it belongs to an rdma-core channel we hold);
     // it reads and sets flags, touching no memory.
     let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
@@ -88,11 +90,11 @@ fn set_nonblocking(fd: RawFd) -> std::result::Result<(), String> {
 ///
 /// `raw` must stay open, and refer to the same description, until the returned value is
 /// dropped.
-unsafe fn watch(raw: RawFd, what: &str) -> std::result::Result<AsyncFd<Fd>, String> {
+unsafe fn watch(raw: RawFd, what: &str) -> Result<AsyncFd<Fd>> {
     set_nonblocking(raw)?;
     // SAFETY: upheld by the caller.
     unsafe { AsyncFd::register_with_interest(Fd(raw), Interest::READABLE) }
-        .map_err(|e| format!("watch {what}: {e}"))
+        .map_err(|e| Error::new(ErrorKind::Io, format!("watch {what}: {e}")))
 }
 
 /// A C socket address for `addr`.
@@ -139,19 +141,40 @@ fn hello(config: &RdmaConfig) -> [u8; HELLO_LEN] {
     out
 }
 
-fn parse_hello(data: &[u8]) -> std::result::Result<PeerParams, String> {
+/// The connection parameters both `rdma_connect` and `rdma_accept` take: `hello` as the
+/// private data, the most retries. The result points into `hello`, which must outlive its
+/// use.
+fn conn_param(hello: &[u8; HELLO_LEN]) -> ffi::rdma_conn_param {
+    // SAFETY: an all-zero connection parameter block is valid; fields set below.
+    let mut param: ffi::rdma_conn_param = unsafe { mem::zeroed() };
+    param.private_data = hello.as_ptr().cast::<c_void>();
+    param.private_data_len = HELLO_LEN as u8;
+    param.retry_count = 7;
+    param.rnr_retry_count = 7;
+    param
+}
+
+/// The peer's hello, checked; a peer that sent none, or one out of range, broke the
+/// protocol ([`Protocol`](ErrorKind::Protocol)).
+fn parse_hello(data: &[u8]) -> Result<PeerParams> {
     // The transport may pad private data; only the first bytes are ours.
     let Some(h) = data.get(..HELLO_LEN) else {
-        return Err("the peer sent no vsan hello (is it a vsan node?)".to_string());
+        return Err(Error::new(
+            ErrorKind::Protocol,
+            "the peer sent no vsan hello (is it a vsan node?)",
+        ));
     };
     if &h[..4] != HELLO_MAGIC || h[4] != HELLO_VERSION || h[5..8] != [0, 0, 0] {
-        return Err("the peer's rdma hello is not one this version speaks".to_string());
+        return Err(Error::new(
+            ErrorKind::Protocol,
+            "the peer's rdma hello is not one this version speaks",
+        ));
     }
     let params = PeerParams {
         credits: u32::from_be_bytes([h[8], h[9], h[10], h[11]]),
         buf_len: u32::from_be_bytes([h[12], h[13], h[14], h[15]]) as usize,
     };
-    params.check().map_err(|e| e.context().to_string())?;
+    params.check()?;
     Ok(params)
 }
 
@@ -184,10 +207,7 @@ fn millis(d: std::time::Duration) -> c_int {
 
 /// Sets up an RDMA connection to `target`: the connection with its receives posted and
 /// the peer's announced parameters.
-async fn dial(
-    target: SocketAddr,
-    config: &RdmaConfig,
-) -> std::result::Result<(Conn, PeerParams), String> {
+async fn dial(target: SocketAddr, config: &RdmaConfig) -> Result<(Conn, PeerParams)> {
     let events = EventChannel::new()?;
     let mut conn = {
         let mut id: *mut ffi::rdma_cm_id = ptr::null_mut();
@@ -242,14 +262,9 @@ async fn dial(
     conn.build()?;
     {
         let hello = hello(config);
-        // SAFETY: an all-zero connection parameter block is valid; fields set below.
-        let mut param: ffi::rdma_conn_param = unsafe { mem::zeroed() };
-        param.private_data = hello.as_ptr().cast::<c_void>();
-        param.private_data_len = HELLO_LEN as u8;
-        param.retry_count = 7;
-        param.rnr_retry_count = 7;
-        // SAFETY: valid id with a queue pair; `param` and `hello` outlive the call,
-        // which copies the private data.
+        let mut param = conn_param(&hello);
+        // SAFETY: valid id with a queue pair; `param` and the `hello` it points into
+        // outlive the call, which copies the private data.
         if unsafe { ffi::rdma_connect(conn.id, &mut param) } != 0 {
             return Err(os_error(&format!("rdma_connect to {target}")));
         }
@@ -258,19 +273,22 @@ async fn dial(
         .events
         .next()
         .await
-        .map_err(|e| format!("rdma_connect to {target}: {e}"))?;
+        .map_err(|e| Error::new(ErrorKind::Io, format!("rdma_connect to {target}: {e}")))?;
     match event.kind {
         ffi::rdma_cm_event_type::RDMA_CM_EVENT_ESTABLISHED => {
             let params = parse_hello(&event.private)?;
             Ok((conn, params))
         }
-        ffi::rdma_cm_event_type::RDMA_CM_EVENT_REJECTED => Err(format!(
-            "{target} refused the rdma connection (no rdma listener there?): {}",
-            event.describe()
+        ffi::rdma_cm_event_type::RDMA_CM_EVENT_REJECTED => Err(Error::new(
+            ErrorKind::Io,
+            format!(
+                "{target} refused the rdma connection (no rdma listener there?): {}",
+                event.describe()
+            ),
         )),
-        _ => Err(format!(
-            "rdma_connect to {target} failed: {}",
-            event.describe()
+        _ => Err(Error::new(
+            ErrorKind::Io,
+            format!("rdma_connect to {target} failed: {}", event.describe()),
         )),
     }
 }
@@ -280,16 +298,27 @@ pub(super) async fn connect(addr: &str, config: &RdmaConfig) -> std::result::Res
     probe().map_err(Setup::Unavailable)?;
     let target = tokio::net::lookup_host(addr)
         .await
-        .map_err(|e| Setup::Unavailable(format!("resolve {addr}: {e}")))?
+        .map_err(|e| {
+            Setup::Unavailable(Error::new(
+                ErrorKind::from_io(&e),
+                format!("resolve {addr}: {e}"),
+            ))
+        })?
         .next()
-        .ok_or_else(|| Setup::Unavailable(format!("resolve {addr}: no address")))?;
+        .ok_or_else(|| {
+            Setup::Unavailable(Error::new(
+                ErrorKind::NotFound,
+                format!("resolve {addr}: no address"),
+            ))
+        })?;
     let limit = config.connect_timeout;
     let (conn, params) = match tokio::time::timeout(limit, dial(target, config)).await {
         Ok(Ok(done)) => done,
         Ok(Err(why)) => return Err(Setup::Unavailable(why)),
         Err(_) => {
-            return Err(Setup::Unavailable(format!(
-                "no rdma connection to {target} within {limit:?}"
+            return Err(Setup::Unavailable(Error::new(
+                ErrorKind::Timeout,
+                format!("no rdma connection to {target} within {limit:?}"),
             )));
         }
     };
@@ -339,14 +368,14 @@ impl Drop for Listening {
 }
 
 /// Listens with `rdma_cm` on `addr` (the TCP listener's address), or says why not.
-pub(super) async fn listen(
-    addr: &str,
-    config: &RdmaConfig,
-) -> std::result::Result<Box<dyn Listener>, String> {
+pub(super) async fn listen(addr: &str, config: &RdmaConfig) -> Result<Box<dyn Listener>> {
     probe()?;
-    let local: SocketAddr = addr
-        .parse()
-        .map_err(|e| format!("rdma listen on {addr}: {e}"))?;
+    let local: SocketAddr = addr.parse().map_err(|e| {
+        Error::new(
+            ErrorKind::InvalidArgument,
+            format!("rdma listen on {addr}: {e}"),
+        )
+    })?;
     let events = EventChannel::new()?;
     let mut id: *mut ffi::rdma_cm_id = ptr::null_mut();
     // SAFETY: valid channel; `id` receives a new id, owned by `listening` right after.
@@ -436,17 +465,14 @@ fn adopt(id: IdPtr, private: &[u8], config: &RdmaConfig) -> Result<(Conn, PeerPa
         Ok(p) => p,
         Err(why) => {
             reject(id);
-            return Err(Error::new(
-                ErrorKind::Protocol,
-                format!("rdma accept: {why}"),
-            ));
+            return Err(why.context_prefix("rdma accept"));
         }
     };
     let events = match EventChannel::new() {
         Ok(ch) => ch,
         Err(why) => {
             reject(id);
-            return Err(Error::new(ErrorKind::Io, format!("rdma accept: {why}")));
+            return Err(why.context_prefix("rdma accept"));
         }
     };
     // SAFETY: moves our request id to its own channel (its request event was
@@ -454,7 +480,7 @@ fn adopt(id: IdPtr, private: &[u8], config: &RdmaConfig) -> Result<(Conn, PeerPa
     if unsafe { ffi::rdma_migrate_id(id.0, events.ch) } != 0 {
         let why = os_error("rdma_migrate_id");
         reject(id);
-        return Err(Error::new(ErrorKind::Io, format!("rdma accept: {why}")));
+        return Err(why.context_prefix("rdma accept"));
     }
     Ok((Conn::new(events, id.0, config), params))
 }
@@ -466,7 +492,13 @@ async fn accept_one(mut conn: Conn, params: PeerParams, config: &RdmaConfig) -> 
         let storage = unsafe { (*conn.id).route.addr.dst_addr_union.dst_storage };
         peer_name(&storage)
     };
-    let io = |why: String| Error::new(ErrorKind::Io, format!("rdma accept from {peer}: {why}"));
+    // Whatever step failed, the accept reports an I/O failure (as it always has).
+    let io = |why: Error| {
+        Error::new(
+            ErrorKind::Io,
+            format!("rdma accept from {peer}: {}", why.context()),
+        )
+    };
     if let Err(why) = conn.build() {
         // SAFETY: valid request id, rejected once; `conn` destroys it.
         unsafe { ffi::rdma_reject(conn.id, ptr::null(), 0) };
@@ -474,14 +506,9 @@ async fn accept_one(mut conn: Conn, params: PeerParams, config: &RdmaConfig) -> 
     }
     {
         let hello = hello(config);
-        // SAFETY: an all-zero connection parameter block is valid; fields set below.
-        let mut param: ffi::rdma_conn_param = unsafe { mem::zeroed() };
-        param.private_data = hello.as_ptr().cast::<c_void>();
-        param.private_data_len = HELLO_LEN as u8;
-        param.retry_count = 7;
-        param.rnr_retry_count = 7;
-        // SAFETY: valid request id with a queue pair; `param` and `hello` outlive the
-        // call, which copies the private data.
+        let mut param = conn_param(&hello);
+        // SAFETY: valid request id with a queue pair; `param` and the `hello` it points
+        // into outlive the call, which copies the private data.
         if unsafe { ffi::rdma_accept(conn.id, &mut param) } != 0 {
             return Err(io(os_error("rdma_accept")));
         }

@@ -74,7 +74,7 @@ impl fmt::Debug for EventChannel {
 }
 
 impl EventChannel {
-    pub(super) fn new() -> std::result::Result<EventChannel, String> {
+    pub(super) fn new() -> Result<EventChannel> {
         // SAFETY: no arguments; returns an owned channel or null.
         let ch = unsafe { ffi::rdma_create_event_channel() };
         if ch.is_null() {
@@ -147,15 +147,15 @@ impl EventChannel {
         &self,
         want: ffi::rdma_cm_event_type::Type,
         what: &str,
-    ) -> std::result::Result<CmEvent, String> {
+    ) -> Result<CmEvent> {
         let event = self
             .next()
             .await
-            .map_err(|e| format!("{what}: rdma_get_cm_event: {e}"))?;
+            .map_err(|e| verbs_error(format!("{what}: rdma_get_cm_event: {e}")))?;
         if event.kind == want && event.status == 0 {
             Ok(event)
         } else {
-            Err(format!("{what} failed: {}", event.describe()))
+            Err(verbs_error(format!("{what} failed: {}", event.describe())))
         }
     }
 }
@@ -227,11 +227,14 @@ impl Conn {
     /// Protection domain, completion channel and queue, RC queue pair, registered
     /// buffers, all receives posted. The id must be bound to a device (address
     /// resolved, or a connection request).
-    pub(super) fn build(&mut self) -> std::result::Result<(), String> {
+    pub(super) fn build(&mut self) -> Result<()> {
         // SAFETY: `self.id` is a valid id owned by this connection.
         let verbs = unsafe { (*self.id).verbs };
         if verbs.is_null() {
-            return Err("the address is not on an RDMA device".to_string());
+            return Err(Error::new(
+                ErrorKind::NotSupported,
+                "the address is not on an RDMA device",
+            ));
         }
         let entries = self.send_bufs + self.recv_bufs;
         // SAFETY: `verbs` is the id's open device context.
@@ -249,7 +252,8 @@ impl Conn {
         // SAFETY: the descriptor belongs to the completion channel, which `Drop`
         // destroys only after dropping the watcher.
         self.comp_fd = Some(unsafe { watch(raw, "completion channel") }?);
-        let cqe = c_int::try_from(entries).map_err(|_| "too many buffers".to_string())?;
+        let cqe = c_int::try_from(entries)
+            .map_err(|_| Error::new(ErrorKind::InvalidArgument, "too many buffers"))?;
         // SAFETY: valid context and completion channel; no CQ context pointer.
         self.cq = unsafe { ffi::ibv_create_cq(verbs, cqe, ptr::null_mut(), self.comp, 0) };
         if self.cq.is_null() {
@@ -310,7 +314,7 @@ impl Conn {
         unsafe { (*self.id).qp }
     }
 
-    pub(super) fn post_send(&self, id: usize, len: usize) -> std::result::Result<(), String> {
+    pub(super) fn post_send(&self, id: usize, len: usize) -> Result<()> {
         let mut sge = ffi::ibv_sge {
             addr: self.buf_addr(id) as u64,
             length: len as u32,
@@ -329,15 +333,15 @@ impl Conn {
         // copies them); the buffer stays registered and untouched until completion.
         let rc = unsafe { ffi::ibv_post_send(self.qp(), &mut wr, &mut bad) };
         if rc != 0 {
-            return Err(format!(
+            return Err(verbs_error(format!(
                 "ibv_post_send: {}",
                 io::Error::from_raw_os_error(rc)
-            ));
+            )));
         }
         Ok(())
     }
 
-    pub(super) fn post_recv(&self, id: usize) -> std::result::Result<(), String> {
+    pub(super) fn post_recv(&self, id: usize) -> Result<()> {
         let mut sge = ffi::ibv_sge {
             addr: self.buf_addr(self.send_bufs + id) as u64,
             length: self.buf_len as u32,
@@ -354,22 +358,22 @@ impl Conn {
         // stays registered and is read by the engine only after its completion.
         let rc = unsafe { ffi::ibv_post_recv(self.qp(), &mut wr, &mut bad) };
         if rc != 0 {
-            return Err(format!(
+            return Err(verbs_error(format!(
                 "ibv_post_recv: {}",
                 io::Error::from_raw_os_error(rc)
-            ));
+            )));
         }
         Ok(())
     }
 
-    pub(super) fn poll(&self, out: &mut Vec<Completion>) -> std::result::Result<(), String> {
+    pub(super) fn poll(&self, out: &mut Vec<Completion>) -> Result<()> {
         loop {
             // SAFETY: an all-zero work completion array is valid plain data.
             let mut wcs: [ffi::ibv_wc; POLL_BATCH] = unsafe { mem::zeroed() };
             // SAFETY: valid CQ; `wcs` has room for POLL_BATCH entries.
             let n = unsafe { ffi::ibv_poll_cq(self.cq, POLL_BATCH as c_int, wcs.as_mut_ptr()) };
             if n < 0 {
-                return Err(format!("ibv_poll_cq failed ({n})"));
+                return Err(verbs_error(format!("ibv_poll_cq failed ({n})")));
             }
             for wc in &wcs[..n as usize] {
                 if wc.status != ffi::ibv_wc_status::IBV_WC_SUCCESS {
@@ -504,15 +508,15 @@ impl Verbs for RealVerbs {
     }
 
     fn post_send(&mut self, id: usize, len: usize) -> Result<()> {
-        self.conn.post_send(id, len).map_err(verbs_error)
+        self.conn.post_send(id, len)
     }
 
     fn post_recv(&mut self, id: usize) -> Result<()> {
-        self.conn.post_recv(id).map_err(verbs_error)
+        self.conn.post_recv(id)
     }
 
     fn poll(&mut self, out: &mut Vec<Completion>) -> Result<()> {
-        self.conn.poll(out).map_err(verbs_error)
+        self.conn.poll(out)
     }
 }
 
@@ -556,7 +560,7 @@ impl Notifier for RealNotifier {
     }
 }
 
-/// A verbs call that failed, as the engine reports it.
+/// A verbs or `rdma_cm` call that failed: [`Io`](ErrorKind::Io).
 fn verbs_error(why: String) -> Error {
     Error::new(ErrorKind::Io, why)
 }
