@@ -434,4 +434,11 @@ impl Endpoint {
         );
         self.events.push_back(Event::LocalDataLost { action });
     }
+
+    /// Whether requests wait for quorum right now (for status).
+    pub fn quorum_suspended(&self) -> bool {
+        self.state == LinkState::Degraded
+            && self.cfg.quorum == Some(QuorumPolicy::Suspend)
+            && self.alone() == Alone::Hold
+    }
 }
