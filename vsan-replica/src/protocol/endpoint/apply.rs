@@ -297,19 +297,13 @@ impl Endpoint {
         fua: bool,
     ) {
         let range = Range::new(offset, payload.len());
-        let bs = u64::from(self.cfg.block_size);
-        if payload.is_empty()
-            || range.end > self.cfg.size
-            || offset % bs != 0
-            || payload.len() % bs != 0
-        {
-            return self.protocol_violation(
-                now,
-                format!(
-                    "write {id} of {} bytes at {offset} is invalid",
-                    payload.len()
-                ),
-            );
+        let op = match payload {
+            WritePayload::Data(_) => Op::Write,
+            WritePayload::Zeroes { .. } => Op::WriteZeroes,
+            WritePayload::Discard { .. } => Op::Discard,
+        };
+        if let Err(e) = self.check_peer_request(op, offset, payload.len()) {
+            return self.protocol_violation(now, format!("write {id} is invalid: {e}"));
         }
         self.last_app_io = now;
         if self.is_detached() {

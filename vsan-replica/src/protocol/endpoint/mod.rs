@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use tracing::{info, warn};
-use vsan_core::ErrorKind;
+use vsan_core::{ErrorKind, Geometry, Op};
 
 use super::generations::{Decision, Side, decide};
 use super::message::{
@@ -202,6 +202,14 @@ impl Endpoint {
         ep
     }
 
+    /// Check a peer's read or write against the disk's geometry (a request that fails
+    /// it is a protocol violation). The peer splits nothing: its requests are as large as
+    /// its callers', so no size limit applies here.
+    fn check_peer_request(&self, op: Op, offset: u64, len: u64) -> vsan_core::Result<()> {
+        let bs = self.cfg.block_size.max(1);
+        Geometry::with_max_io(self.cfg.size, bs, u32::MAX / bs * bs)?.validate(op, offset, len)
+    }
+
     /// The link state.
     pub fn state(&self) -> LinkState {
         self.state
@@ -341,17 +349,8 @@ impl Endpoint {
                 }
             }
             Message::Read { id, offset, len } => {
-                let bs = u64::from(self.cfg.block_size);
-                let end = offset.checked_add(u64::from(len));
-                if len == 0
-                    || end.is_none_or(|e| e > self.cfg.size)
-                    || offset % bs != 0
-                    || u64::from(len) % bs != 0
-                {
-                    return self.protocol_violation(
-                        now,
-                        format!("read {id} of {len} bytes at {offset} is invalid"),
-                    );
+                if let Err(e) = self.check_peer_request(Op::Read, offset, u64::from(len)) {
+                    return self.protocol_violation(now, format!("read {id} is invalid: {e}"));
                 }
                 // A replica that is out of sync there (a sync target whose chunk has not
                 // arrived, or one that lost data) must not answer with what it has.
