@@ -19,6 +19,32 @@
 //!    wins on both sides. On the resolver, the peer's write is applied only outside the
 //!    ranges of its own writes still awaiting an ack; on the other node the resolver's
 //!    write is applied after its own overlapping write finished locally.
+//!
+//! ## Map: which file owns what
+//! `Endpoint` (this file) is the coordinator: it holds one value of each sub-state,
+//! dispatches messages from the peer (`handle_message`) and hands out the outputs.
+//!
+//! | file | owns | ordering rules and decisions that live there |
+//! |---|---|---|
+//! | `types.rs` | the public vocabulary: [`Config`], [`LocalIo`], [`Event`], [`LinkState`], ids | — |
+//! | `journal.rs` | [`Journal`]: superblock, activity log, bitmap, metadata generations, waiters, generation ids | a change is durable only once its generation is; the activity log names an extent before a write there starts and forgets it only after a replica flush; bits a resync cleared are persisted only after a flush; the superblock is written last |
+//! | `writes.rs` | the caller's writes and flushes (`OwnWrite`, `OwnFlush`) | a write completes once its local and remote halves are settled and, when it was not mirrored, its bits are durable; a flush alone moves the generation first |
+//! | `apply.rs` | the apply list (`Apply`), peer writes, local completions | write-ordering rules 1–3 above; a resync read or write is ordered like any write; an entry starts only once its metadata gate is durable |
+//! | `reads.rs` | read routing and held reads | a chunk not known current here (a sync target's unsynced chunk, a replica that lost data) is read from the peer, never from here |
+//! | `handshake.rs` | [`Handshake`] (Hellos, Welcomes, the decision), [`OwnData`] | the Hello waits for unmirrored writes in flight; a handshake from degraded mode holds new writes; nothing may have moved between the Hello and Connected |
+//! | `failure.rs` | [`Replica`] (attached, detached, detached alone), [`PeerCopy`], [`Quorum`] | a lost peer's waiting writes are marked and completed alone, held or failed as quorum says; a failure with no complete copy elsewhere fails I/O instead of distrusting the only copy |
+//! | `freshness.rs` | whether the replica is proven current, and the startup policy | nothing is served from a replica before a handshake, the witness or the operator proves it current |
+//! | `sync/` | a resync or online verify (`SyncRun`); `source.rs` and `target.rs` its two sides | a chunk's bit clears only after a checkpoint both sides made durable; a chunk marked again during the pass is not cleared; `SyncDone` only once the source's metadata no longer names it the only writer |
+//! | `shutdown.rs` | [`Lifecycle`] | the clean state is written only after every request finished and the replica was flushed |
+//! | `timers.rs` | when `handle_timeout` is due and what it does | — |
+//!
+//! The write path: `submit_write` (writes.rs) → `start_ready` / `start_own_write`
+//! (apply.rs, writes.rs) → `LocalIo::Write` and `Message::Write` → `handle_local_done`
+//! (apply.rs) and the peer's `WriteAck` (this file) → `finish_own_write` (writes.rs). The
+//! resync: `start_sync` (sync/mod.rs) → `sync_pump` (sync/source.rs) → `on_sync_*`
+//! (sync/target.rs, sync/source.rs) → `finish_sync`. The failure handling: `lose_peer`,
+//! `local_failed`, `local_data_lost` (failure.rs), and `meta_done` for a failed metadata
+//! write (journal.rs).
 
 use std::collections::VecDeque;
 
