@@ -135,7 +135,7 @@ pub struct Endpoint {
     last_tx: Instant,
     next_ping: u64,
 
-    // ----- resync and verify (sync.rs) -----
+    // ----- resync and verify (sync/) -----
     sync: Option<sync::SyncRun>,
     last_sync: Option<SyncSummary>,
 
