@@ -2,7 +2,18 @@
 //! ordered against the overlapping ones before it (the write-ordering rules of the
 //! module doc), and the local completions that move it on.
 
-use super::*;
+use std::time::Instant;
+
+use bytes::Bytes;
+use vsan_core::{ErrorKind, Op};
+
+use super::{
+    Endpoint, Event, LinkState, Local, LocalIo, LocalOpId, LocalResult, Remote, Replica, RequestId,
+    status_of,
+};
+use crate::meta::{AL_SLOTS, Layout};
+use crate::protocol::message::{Message, Status, WritePayload};
+use crate::protocol::ranges::{Range, any_overlap, subtract};
 
 /// An entry in the apply list: local replica I/O that must be ordered against
 /// overlapping writes (application writes, resync copies, resync reads).
@@ -46,7 +57,7 @@ pub(super) enum ApplyKind {
     SyncRead {
         offset: u64,
         len: u32,
-        mode: sync::ReadMode,
+        mode: super::sync::ReadMode,
     },
     /// Read a chunk to compare it with the peer's crc.
     SyncCompare {

@@ -1,7 +1,16 @@
 //! Failures: the peer lost (writes and flushes settled alone, held, or failed, as
 //! quorum says), the local replica failed, detached, attached again, or lost data.
 
-use super::*;
+use std::time::Instant;
+
+use tracing::{info, warn};
+use vsan_core::ErrorKind;
+
+use super::{
+    Endpoint, Event, LinkState, QuorumPolicy, Remote, RequestId, SyncKind, SyncRole, refused,
+};
+use crate::protocol::message::Message;
+use crate::protocol::ranges::Range;
 
 /// The local replica's standing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -175,7 +184,7 @@ impl Endpoint {
         };
         if granted {
             // The peer cannot have written alone since: it would hold the grant.
-            self.become_current(freshness::Proof::Witness);
+            self.become_current(super::freshness::Proof::Witness);
         }
         if before != self.quorum {
             if granted {

@@ -6,7 +6,15 @@
 //! the peer's, and answers Welcome; once both Welcomes crossed and nothing moved, the
 //! link mirrors. A handshake from degraded mode holds new own writes meanwhile.
 
-use super::*;
+use std::time::Instant;
+
+use tracing::{info, warn};
+
+use super::{
+    Alone, Endpoint, Event, LinkState, PeerCopy, Quorum, Remote, Replica, RequestId, SyncRole,
+};
+use crate::protocol::generations::{Decision, Side, decide};
+use crate::protocol::message::{Hello, Message, PROTOCOL_VERSION, SplitBrainPolicy};
 
 /// The handshake on the current link.
 #[derive(Debug, Clone)]
@@ -368,7 +376,7 @@ impl Endpoint {
         };
         self.state = LinkState::Connected;
         self.quorum = Quorum::Idle;
-        self.become_current(freshness::Proof::Handshake);
+        self.become_current(super::freshness::Proof::Handshake);
         info!(disk = %self.cfg.disk_name, peer = self.cfg.peer_id, "peer connected: mirroring ({decision:?})");
         self.events.push_back(Event::Connected);
         // Writes started while waiting for the link go out now, in order, then the

@@ -49,18 +49,14 @@
 use std::collections::VecDeque;
 
 use super::fastmap::FastMap;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use bytes::Bytes;
-use tracing::{info, warn};
+use tracing::warn;
 use vsan_core::{ErrorKind, Geometry, Op};
 
-use super::generations::{Decision, Side, decide};
-use super::message::{
-    DiskId, Generations, Hello, Message, PROTOCOL_VERSION, SplitBrainPolicy, Status, WritePayload,
-};
-use super::ranges::{Range, any_overlap, subtract};
-use crate::meta::{AL_SLOTS, Layout, Loaded};
+use super::message::{Generations, Message, Status};
+use crate::meta::Loaded;
 
 mod apply;
 mod failure;

@@ -1,7 +1,15 @@
 //! Read routing: the local replica where it is current, the peer where it is not,
 //! held while neither can answer.
 
-use super::*;
+use std::time::Instant;
+
+use vsan_core::ErrorKind;
+
+use super::{
+    Alone, Endpoint, Event, LinkState, LocalIo, OpPurpose, Quorum, QuorumPolicy, Replica,
+    RequestId, SyncRole,
+};
+use crate::protocol::message::Message;
 
 impl Endpoint {
     /// Read from the local replica; from the peer while the local one is detached or,

@@ -1,7 +1,12 @@
 //! Clean shutdown: drop the link, let every request finish, then make the metadata
 //! say "clean" durably.
 
-use super::*;
+use std::time::Instant;
+
+use tracing::info;
+use vsan_core::ErrorKind;
+
+use super::{Endpoint, Event, LinkState, MetaWaiter, RequestId};
 
 /// Where the endpoint stands in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

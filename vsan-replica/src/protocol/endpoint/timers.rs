@@ -1,7 +1,10 @@
 //! Time: when the endpoint next needs `handle_timeout`, and what is due then (pings,
 //! a silent peer, a stalled handshake, a first link that never came).
 
-use super::*;
+use std::time::Instant;
+
+use super::{Endpoint, Event, LinkState, Remote};
+use crate::protocol::message::Message;
 
 impl Endpoint {
     /// When `handle_timeout` must be called next, if ever.

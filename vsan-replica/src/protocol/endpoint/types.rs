@@ -1,7 +1,13 @@
 //! The endpoint's public vocabulary: its settings, the ids of requests and local
 //! operations, the local I/O it asks for, the link state and the events it reports.
 
-use super::*;
+use std::time::Duration;
+
+use bytes::Bytes;
+use vsan_core::ErrorKind;
+
+use super::{StartupPolicy, SyncKind, SyncRole, SyncSummary};
+use crate::protocol::message::{DiskId, SplitBrainPolicy, WritePayload};
 
 /// Static settings of an endpoint.
 #[derive(Debug, Clone)]

@@ -1,7 +1,16 @@
 //! The caller's writes and flushes: submitted, started (local write and send at the
 //! same moment), and completed once both halves are settled.
 
-use super::*;
+use std::time::Instant;
+
+use vsan_core::ErrorKind;
+
+use super::{
+    Alone, ApplyKind, Endpoint, Event, LinkState, LocalIo, MetaWaiter, OpPurpose, Replica,
+    RequestId,
+};
+use crate::protocol::message::{Message, Status, WritePayload};
+use crate::protocol::ranges::Range;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Remote {

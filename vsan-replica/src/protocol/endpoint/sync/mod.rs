@@ -41,8 +41,7 @@ use vsan_core::ErrorKind;
 use super::{
     ApplyKind, Endpoint, Event, LinkState, MetaWaiter, PeerCopy, Replica, ResyncRate, refused,
 };
-use crate::protocol::message::{Generations, Message, Status};
-use crate::protocol::ranges::{Range, subtract};
+use crate::protocol::message::Message;
 
 mod source;
 mod target;
@@ -577,6 +576,7 @@ impl Endpoint {
 #[cfg(test)]
 mod remark_tests {
     use super::*;
+    use crate::protocol::ranges::Range;
     use crate::protocol::tests::{Pair, fill};
 
     /// A chunk marked again (a write the peer does not hold) after the target

@@ -3,7 +3,16 @@
 //! clear its bits, and the end of the pass (the bitmap generation retired; `SyncDone`
 //! once that is durable).
 
-use super::*;
+use std::time::Instant;
+
+use tracing::{info, warn};
+
+use super::{
+    APP_QUIET, ApplyKind, Endpoint, Event, LinkState, MAX_RUN, MetaWaiter, PeerCopy, ReadMode,
+    Replica, ResyncRate, SyncKind, SyncRole, SyncRun,
+};
+use crate::protocol::message::{Message, Status};
+use crate::protocol::ranges::Range;
 
 impl Endpoint {
     /// Source: the target wrote (or failed) a run of chunks.

@@ -3,7 +3,15 @@
 //! bits cleared in memory and persisted at each checkpoint, and the end of the pass
 //! (the source's generations taken).
 
-use super::*;
+use std::time::Instant;
+
+use bytes::Bytes;
+use tracing::info;
+use vsan_core::ErrorKind;
+
+use super::{ApplyKind, Endpoint, Event, MAX_RUN, MetaWaiter, SyncRole};
+use crate::protocol::message::{Generations, Message, Status};
+use crate::protocol::ranges::{Range, subtract};
 
 impl Endpoint {
     /// Target: a run of chunks from the source.
