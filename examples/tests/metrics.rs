@@ -290,7 +290,7 @@ fn mirror_link_state_and_resync() {
     for (addr, peer) in [(&m1, "2"), (&m2, "1")] {
         let s = scrape(addr);
         let labels = [("disk", "vol0"), ("peer", peer), ("state", "connected")];
-        assert_eq!(gauge(&s, link, &labels), 2.0, "{addr}");
+        assert_eq!(gauge(&s, link, &labels), 3.0, "{addr}");
         assert_eq!(gauge(&s, "vsan_mirror_syncing", &[("disk", "vol0")]), 0.0);
         assert_eq!(
             gauge(
@@ -333,7 +333,7 @@ fn mirror_link_state_and_resync() {
         .collect();
     qemu_io_writes(&n2.uri("vol0"), &regions);
     let s = scrape(&m2);
-    assert_eq!(gauge(&s, link, &degraded), 3.0);
+    assert_eq!(gauge(&s, link, &degraded), 4.0);
     assert!(gauge(&s, "vsan_mirror_out_of_sync_chunks", &disk) >= 64.0);
 
     // Node 1 returns: node 2 resyncs it (at 2 MiB/s, so a scrape sees it run), and
@@ -374,7 +374,7 @@ fn mirror_link_state_and_resync() {
     }
     let s = scrape(&m1);
     let labels = [("disk", "vol0"), ("peer", "2"), ("state", "connected")];
-    assert_eq!(gauge(&s, link, &labels), 2.0);
+    assert_eq!(gauge(&s, link, &labels), 3.0);
     n1.stop_clean(Sig::TERM);
     n2.stop_clean(Sig::TERM);
 }

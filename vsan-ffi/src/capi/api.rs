@@ -470,7 +470,9 @@ pub unsafe extern "C" fn vsan_disk_geometry(
     })
 }
 
-fn link_code(s: LinkState) -> u32 {
+/// The `VSAN_LINK_*` code of a mirror's link state: the one numbering of link states,
+/// which the metrics endpoint's `vsan_mirror_link_state` gauge uses too.
+pub(crate) fn link_code(s: LinkState) -> u32 {
     match s {
         LinkState::Waiting => VSAN_LINK_WAITING,
         LinkState::Handshaking => VSAN_LINK_HANDSHAKING,
