@@ -635,11 +635,12 @@ impl NodeMetrics {
             ))
         })?;
         let listener = TcpListener::bind(socket).await.map_err(|e| {
-            if e.kind() == std::io::ErrorKind::AddrInUse {
-                StartError::AddressInUse(format!("{key}: address {addr} is already in use"))
-            } else {
-                StartError::Config(format!("{key}: cannot listen on {addr}: {e}"))
-            }
+            super::listen_error(
+                "node.metrics",
+                addr,
+                e.kind() == std::io::ErrorKind::AddrInUse,
+                &e,
+            )
         })?;
         let address = listener
             .local_addr()

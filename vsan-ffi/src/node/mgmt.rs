@@ -660,7 +660,7 @@ async fn create(shared: &Shared, d: &DiskSection) -> Result<NodeDisk, Status> {
         None => None,
         Some(a) => {
             let addr = NbdAddr::parse(a).map_err(Status::invalid_argument)?;
-            let l = super::bind(&addr).await.map_err(|e| {
+            let l = super::start::bind(&addr).await.map_err(|e| {
                 Status::failed_precondition(format!("cannot listen on {addr}: {e}"))
             })?;
             Some((addr, l))
@@ -675,17 +675,19 @@ async fn create(shared: &Shared, d: &DiskSection) -> Result<NodeDisk, Status> {
             )));
         }
     }
-    let local = super::open_disk(0, d, &node.data_dir).map_err(start_error)?;
+    let local = super::start::open_disk(0, d, &node.data_dir).map_err(start_error)?;
     let mut created = Created::default();
     let mirror = match peer {
         None => None,
         Some((i, p)) => {
-            let cfg = super::mirror_config(node, "disk", d, p.id, local.geometry(), shared.quorum)
-                .map_err(start_error)?;
+            let cfg =
+                super::start::mirror_config(node, "disk", d, p.id, local.geometry(), shared.quorum)
+                    .map_err(start_error)?;
             let chunk = d.bitmap_chunk.map_or(DEFAULT_CHUNK_SIZE, |c| c.0);
-            let replica = super::open_replica(d, &node.data_dir, &cfg, chunk, Arc::clone(&local))
-                .await
-                .map_err(start_error)?;
+            let replica =
+                super::start::open_replica(d, &node.data_dir, &cfg, chunk, Arc::clone(&local))
+                    .await
+                    .map_err(start_error)?;
             let disk = MirroredDisk::start(cfg, replica, shared.witness.clone())
                 .map_err(|e| Status::internal(e.to_string()))?;
             if node.id < p.id {
@@ -736,7 +738,7 @@ async fn create(shared: &Shared, d: &DiskSection) -> Result<NodeDisk, Status> {
         ])
         .map_err(|e| Status::internal(e.to_string()))?;
         let (shown, task) = match listener {
-            super::Listener::Tcp(l) => {
+            super::start::Listener::Tcp(l) => {
                 let shown = l
                     .local_addr()
                     .map(|a| a.to_string())
@@ -744,7 +746,7 @@ async fn create(shared: &Shared, d: &DiskSection) -> Result<NodeDisk, Status> {
                 let s = server.clone();
                 (shown, tokio::spawn(async move { s.serve_tcp(l).await }))
             }
-            super::Listener::Unix(l, path) => {
+            super::start::Listener::Unix(l, path) => {
                 let s = server.clone();
                 created.socket = Some(path.clone());
                 (
