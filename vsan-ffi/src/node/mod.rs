@@ -14,11 +14,17 @@
 //!
 //! Files: `start.rs` (the phases of [`Node::start`]), `cache.rs` (a disk's cache at start
 //! and shutdown), [`config`], [`transports`] (a peer's transport from its section),
-//! [`metrics`] (the metrics endpoint), `mgmt.rs` (the management service).
+//! `metrics.rs` (the metrics endpoint, feature `metrics`; `metrics_off.rs` stands in
+//! without it), `mgmt.rs` (the management service, feature `mgmt`). A config that asks
+//! for a service the build lacks is refused at start.
 
 mod cache;
 pub mod config;
+#[cfg(feature = "metrics")]
 pub mod metrics;
+#[cfg(not(feature = "metrics"))]
+#[path = "metrics_off.rs"]
+mod metrics;
 #[cfg(feature = "mgmt")]
 mod mgmt;
 mod start;

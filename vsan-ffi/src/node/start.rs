@@ -1,6 +1,7 @@
 //! Starting a node, in phases. [`Node::start`] runs them in this order:
 //!
-//! 1. `check_options`: the start options name mirrored disks of the config;
+//! 1. `check_options`: the config asks only for services this build has (features
+//!    `metrics`, `mgmt`), and the start options name mirrored disks of the config;
 //! 2. bind every listener, so a busy address refuses the start before any image is
 //!    created: the NBD exports (`bind_exports`), the metrics endpoint
 //!    (`bind_metrics`), the management service (`bind_mgmt`), and, with the
@@ -155,12 +156,23 @@ impl Node {
     }
 }
 
-/// The start options name mirrored disks of the config (and a management address in a
-/// build without the management service is said to be ignored).
+/// The refusal of a config key (`node.metrics`) that asks for a service (`what`) this
+/// build was made without (cargo feature `feature` of vsan-ffi).
+pub(super) fn feature_off(key: &str, what: &str, feature: &str) -> StartError {
+    StartError::Config(format!(
+        "key `{key}`: this build has no {what} (vsan-ffi's cargo feature `{feature}` is off): \
+         remove {key} or use a build with the feature"
+    ))
+}
+
+/// The config asks only for services this build has, and the start options name
+/// mirrored disks of the config.
 fn check_options(config: &Config, options: &StartOptions) -> Result<(), StartError> {
-    #[cfg(not(feature = "mgmt"))]
-    if let Some(v) = &config.node.mgmt {
-        warn!("node.mgmt = {v:?}: this build has no management service (feature `mgmt`)");
+    if cfg!(not(feature = "mgmt")) && config.node.mgmt.is_some() {
+        return Err(feature_off("node.mgmt", "management service", "mgmt"));
+    }
+    if cfg!(not(feature = "metrics")) && config.node.metrics.is_some() {
+        return Err(feature_off("node.metrics", "metrics endpoint", "metrics"));
     }
     for (flag, names) in [
         ("--discard-my-data", &options.discard_my_data),
