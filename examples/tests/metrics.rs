@@ -13,12 +13,14 @@ mod common;
 
 use std::time::{Duration, Instant};
 
+use common::in_process::node;
 use common::mirror::{CONNECTED, Side};
 use common::{
     Node, Region, Sig, TestDir, disk_section, field, image, node_section, qemu_io_reads,
     qemu_io_writes, require_tool, run_node_to_exit, toml_str,
 };
 use prometheus_parse::{LineInfo, Sample, Scrape, Value};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
@@ -425,4 +427,44 @@ fn other_paths_are_not_found() {
     // Still serving after all that.
     scrape(&addr);
     node.stop_clean(Sig::TERM);
+}
+
+/// 64 clients that pipeline requests and never read the answers held every metrics
+/// connection slot for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_clients_that_never_read_do_not_lock_out_scrapes() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = node(
+        dir.path(),
+        "metrics = \"127.0.0.1:0\"",
+        "[[disk]]\nname = \"vol0\"\nsize = \"1MiB\"\nbacking = \"mem\"\n",
+    )
+    .await;
+    let addr = n.metrics_address().unwrap().to_string();
+    let req = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n".repeat(4000);
+    let mut hogs = Vec::new();
+    for _ in 0..64 {
+        let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        let _ = tokio::time::timeout(Duration::from_secs(2), s.write_all(&req)).await;
+        hogs.push(s);
+    }
+    // Past the connection limit (10 s).
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    let scrape = tokio::time::timeout(Duration::from_secs(5), async {
+        let mut s = tokio::net::TcpStream::connect(&addr).await?;
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .await?;
+        let mut out = Vec::new();
+        s.read_to_end(&mut out).await?;
+        Ok::<_, std::io::Error>(out)
+    })
+    .await;
+    drop(hogs);
+    n.shutdown().await.unwrap();
+    let ok = matches!(&scrape, Ok(Ok(b)) if b.starts_with(b"HTTP/1.1 200"));
+    assert!(
+        ok,
+        "a scrape after 64 stalled clients: {:?}",
+        scrape.map(|r| r.map(|b| b.len()))
+    );
 }
