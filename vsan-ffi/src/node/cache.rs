@@ -162,9 +162,7 @@ pub(super) async fn open_cache(
     let mut cfg = c
         .settings()
         .map_err(|(k, m)| StartError::Config(format!("{}: {m}", key(k))))?;
-    let mode = c
-        .cache_mode()
-        .map_err(|m| StartError::Config(format!("{}: {m}", key("mode"))))?;
+    let mode = c.cache_mode();
     // Under a mirror the peer holds what a failed cache device lost: serve the older
     // data and let the mirror resync this replica. Alone, nothing else holds it.
     cfg.data_loss = if mirrored {

@@ -680,9 +680,7 @@ async fn create(shared: &Shared, d: &DiskSection) -> Result<NodeDisk, Status> {
     let mirror = match peer {
         None => None,
         Some((i, p)) => {
-            let cfg =
-                super::start::mirror_config(node, "disk", d, p.id, local.geometry(), shared.quorum)
-                    .map_err(start_error)?;
+            let cfg = super::start::mirror_config(node, d, p.id, local.geometry(), shared.quorum);
             let chunk = d.bitmap_chunk.map_or(DEFAULT_CHUNK_SIZE, |c| c.0);
             let replica =
                 super::start::open_replica(d, &node.data_dir, &cfg, chunk, Arc::clone(&local))
@@ -728,7 +726,7 @@ async fn create(shared: &Shared, d: &DiskSection) -> Result<NodeDisk, Status> {
         device: Arc::clone(&device),
         mirror,
         peer_id: d.peer,
-        transport: peer.map(|(_, p)| p.transport.clone()),
+        transport: peer.map(|(_, p)| p.transport.word().to_string()),
         nbd: None,
         cache: None,
     };

@@ -34,7 +34,9 @@ use vsan_replica::witness::WitnessClient;
 use vsan_replica::{MirroredDisk, Replica, meta_params};
 
 use super::cache::{CacheFile, inspect_cache, open_cache};
-use super::config::{self, Backing, Config, DiskSection, NbdAddr, PeerSection, Rate, SplitBrain};
+use super::config::{
+    self, Backing, Config, DiskSection, NbdAddr, PeerSection, Quorum, Rate, SplitBrain,
+};
 #[cfg(feature = "mgmt")]
 use super::mgmt;
 use super::transports::{self, Note, PeerTransport};
@@ -196,10 +198,10 @@ fn check_options(config: &Config, options: &StartOptions) -> Result<(), StartErr
 /// What a mirrored disk without its peer and without quorum does, when the node has a
 /// witness.
 fn quorum_policy(node: &config::NodeSection) -> Option<QuorumPolicy> {
-    match (node.witness.is_some(), node.quorum.as_deref()) {
+    match (node.witness.is_some(), node.quorum) {
         (false, _) => None,
-        (true, Some("suspend")) => Some(QuorumPolicy::Suspend),
-        (true, _) => Some(QuorumPolicy::IoError),
+        (true, Some(Quorum::Suspend)) => Some(QuorumPolicy::Suspend),
+        (true, Some(Quorum::IoError) | None) => Some(QuorumPolicy::IoError),
     }
 }
 
@@ -450,7 +452,7 @@ impl Starting<'_> {
                     .peer
                     .iter()
                     .find(|p| p.id == id)
-                    .map(|p| p.transport.clone())
+                    .map(|p| p.transport.word().to_string())
             }),
             nbd: None,
             cache: disk_cache,
@@ -476,14 +478,7 @@ impl Starting<'_> {
                 "key `disk[{i}].peer`: no [[peer]] with id {peer_id}"
             )));
         };
-        let cfg = mirror_config(
-            node,
-            &format!("disk[{i}]"),
-            d,
-            peer_id,
-            local.geometry(),
-            self.quorum,
-        )?;
+        let cfg = mirror_config(node, d, peer_id, local.geometry(), self.quorum);
         let chunk = d.bitmap_chunk.map_or(DEFAULT_CHUNK_SIZE, |c| c.0);
         let replica = open_replica(d, &node.data_dir, &cfg, chunk, local).await?;
         let disk = MirroredDisk::start(cfg, replica, self.witness.clone())
@@ -610,16 +605,14 @@ impl Drop for Tasks {
     }
 }
 
-/// The mirror configuration of disk `d` (config key `key`, `disk[0]`) with peer
-/// `peer_id`.
+/// The mirror configuration of disk `d` with peer `peer_id`.
 pub(super) fn mirror_config(
     node: &config::NodeSection,
-    key: &str,
     d: &DiskSection,
     peer_id: u32,
     g: Geometry,
     quorum: Option<QuorumPolicy>,
-) -> Result<MirrorConfig, StartError> {
+) -> MirrorConfig {
     let mut cfg = MirrorConfig::new(
         node.id,
         peer_id,
@@ -638,24 +631,17 @@ pub(super) fn mirror_config(
     };
     cfg.quorum = quorum;
     cfg.seed = rand::random();
-    let key = |k: &str| format!("key `{key}.{k}`");
-    cfg.split_brain = match d
-        .split_brain_policy()
-        .map_err(|m| StartError::Config(format!("{}: {m}", key("split_brain"))))?
-    {
+    cfg.split_brain = match d.split_brain_policy() {
         SplitBrain::Refuse => SplitBrainPolicy::Refuse,
         SplitBrain::DiscardZeroChanges => SplitBrainPolicy::DiscardZeroChanges,
         SplitBrain::DiscardLeastChanges => SplitBrainPolicy::DiscardLeastChanges,
         SplitBrain::DiscardNode(id) => SplitBrainPolicy::DiscardNode(id),
     };
-    cfg.resync.rate = match d
-        .rate()
-        .map_err(|m| StartError::Config(format!("{}: {m}", key("resync_rate"))))?
-    {
+    cfg.resync.rate = match d.rate() {
         Rate::Dynamic => ResyncRate::Dynamic { max: 0 },
         Rate::Fixed(r) => ResyncRate::Fixed(r),
     };
-    Ok(cfg)
+    cfg
 }
 
 /// Open (or create) disk `i` of the config.

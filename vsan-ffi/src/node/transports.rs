@@ -14,7 +14,7 @@ use vsan_replica::transport::quic::{
 use vsan_replica::transport::rdma::{RdmaConfig, RdmaTransport};
 use vsan_replica::transport::{SharedSecret, TcpConfig, TcpTransport, Transport};
 
-use super::config::PeerSection;
+use super::config::{PeerSection, TransportKind};
 
 /// The transports for one peer.
 #[derive(Debug, Clone)]
@@ -46,8 +46,8 @@ pub fn build(
 ) -> Result<PeerTransport, String> {
     let key = |k: &str| format!("key `peer[{index}].{k}`");
     let mut notes = Vec::new();
-    let inner: Arc<dyn Transport> = match peer.transport.as_str() {
-        "tcp" | "rdma" => {
+    let inner: Arc<dyn Transport> = match peer.transport {
+        TransportKind::Tcp | TransportKind::Rdma => {
             let secret = secret_of(peer).map_err(|m| format!("{}: {m}", key("secret")))?;
             if secret.is_none() {
                 notes.push(Note::Warn(format!(
@@ -59,7 +59,7 @@ pub fn build(
             }
             let mut tcp = TcpConfig::default();
             tcp.secret = secret;
-            if peer.transport == "tcp" {
+            if peer.transport == TransportKind::Tcp {
                 Arc::new(TcpTransport::with_config(tcp))
             } else {
                 let mut cfg = RdmaConfig::default();
@@ -67,7 +67,7 @@ pub fn build(
                 Arc::new(RdmaTransport::with_config(cfg))
             }
         }
-        "loopback" => {
+        TransportKind::Loopback => {
             let mut cfg = LoopbackConfig::default();
             cfg.busy_poll = peer
                 .busy_poll_us
@@ -75,7 +75,7 @@ pub fn build(
                 .map(Duration::from_micros);
             Arc::new(LoopbackTransport::with_config(cfg))
         }
-        "quic" => {
+        TransportKind::Quic => {
             let cert = peer
                 .cert
                 .clone()
@@ -126,7 +126,6 @@ pub fn build(
             }
             Arc::new(QuicTransport::new(cfg).map_err(|e| format!("{}: {e}", key("transport")))?)
         }
-        other => return Err(format!("{}: unknown transport {other:?}", key("transport"))),
     };
     let lanes = peer.lanes.unwrap_or(1);
     let dial: Arc<dyn Transport> = if lanes > 1 {
