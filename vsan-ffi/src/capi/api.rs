@@ -341,7 +341,7 @@ pub unsafe extern "C" fn vsan_node_free(node: *mut vsan_node) -> super::vsan_res
             }
             _ => Ok(()),
         };
-        result.map_err(|m| (VSAN_ERR_IO, m))
+        result.map_err(|e| (VSAN_ERR_IO, e.context().to_string()))
     })
 }
 

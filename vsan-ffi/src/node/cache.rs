@@ -8,7 +8,7 @@ use std::sync::Arc;
 use tracing::{error, info};
 use vsan_cache::format::{self as cache_format, Superblock as CacheSuperblock};
 use vsan_cache::{DataLoss, FastDevice, WriteBackCache};
-use vsan_core::{BlockDevice, ErrorKind};
+use vsan_core::{BlockDevice, Error, ErrorKind};
 
 use super::config::{self, Backing, CacheSection, DiskSection, cache_mode_word};
 use super::{DRAIN_TIMEOUT, StartError};
@@ -245,8 +245,8 @@ pub(super) async fn open_cache(
 
 /// Close a disk's cache: destage everything, flush the backing store, mark the cache
 /// device clean (the next start scans nothing), and log its counters. Returns whether it
-/// closed cleanly.
-pub(super) async fn close_cache(name: &str, cache: Arc<WriteBackCache>) -> Result<(), String> {
+/// closed cleanly: an error has the close's kind, or [`ErrorKind::Timeout`].
+pub(super) async fn close_cache(name: &str, cache: Arc<WriteBackCache>) -> vsan_core::Result<()> {
     let closed = tokio::time::timeout(DRAIN_TIMEOUT, cache.close()).await;
     log_cache_stats(name, &cache);
     match closed {
@@ -256,12 +256,16 @@ pub(super) async fn close_cache(name: &str, cache: Arc<WriteBackCache>) -> Resul
         }
         Ok(Err(e)) => {
             error!(disk = %name, "closing the cache failed: {e}");
-            Err(format!("disk {name}: closing the cache failed: {e}"))
+            Err(Error::new(
+                e.kind(),
+                format!("disk {name}: closing the cache failed: {e}"),
+            ))
         }
         Err(_) => {
             error!(disk = %name, "closing the cache timed out after {DRAIN_TIMEOUT:?}");
-            Err(format!(
-                "disk {name}: closing the cache timed out after {DRAIN_TIMEOUT:?}"
+            Err(Error::new(
+                ErrorKind::Timeout,
+                format!("disk {name}: closing the cache timed out after {DRAIN_TIMEOUT:?}"),
             ))
         }
     }

@@ -267,8 +267,9 @@ impl Node {
     /// finish (up to [`DRAIN_TIMEOUT`]), flush every disk, stop the replication links,
     /// close every mirror (metadata marked clean) and then every cache (everything
     /// destaged, marked clean). Everything is closed even when a step fails; the error
-    /// says what failed (the data may then not be durable).
-    pub async fn shutdown(mut self) -> Result<(), String> {
+    /// says what failed (the data may then not be durable); its kind is
+    /// [`ErrorKind::Io`](vsan_core::ErrorKind::Io).
+    pub async fn shutdown(mut self) -> vsan_core::Result<()> {
         info!(
             id = self.id,
             "shutting down: no new connections or requests; finishing requests in flight"
@@ -384,14 +385,17 @@ impl Node {
         drop(mirrors);
         for (name, cache) in caches {
             if let Err(e) = cache::close_cache(&name, cache).await {
-                failed.push(e);
+                failed.push(e.context().to_string());
             }
         }
         for path in std::mem::take(&mut self.sockets) {
             let _ = std::fs::remove_file(path);
         }
         if !failed.is_empty() {
-            return Err(format!("{}; data may not be durable", failed.join("; ")));
+            return Err(vsan_core::Error::new(
+                vsan_core::ErrorKind::Io,
+                format!("{}; data may not be durable", failed.join("; ")),
+            ));
         }
         info!(id = self.id, "node stopped cleanly");
         Ok(())

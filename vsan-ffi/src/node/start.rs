@@ -135,8 +135,8 @@ impl Node {
         #[cfg(feature = "mgmt")]
         let mgmt = match mgmt_listener {
             Some(l) => {
-                let running =
-                    mgmt::serve(node, l, Arc::clone(&shared)).map_err(StartError::Config)?;
+                let running = mgmt::serve(node, l, Arc::clone(&shared))
+                    .map_err(|e| StartError::Config(e.context().to_string()))?;
                 ready_lines.push(format!("ready mgmt={}", running.address));
                 Some(running)
             }
@@ -222,7 +222,7 @@ async fn bind_exports(config: &Config) -> Result<Vec<BoundExport>, StartError> {
             continue;
         };
         let addr = NbdAddr::parse(nbd)
-            .map_err(|m| StartError::Config(format!("key `disk[{i}].nbd`: {m}")))?;
+            .map_err(|e| StartError::Config(format!("key `disk[{i}].nbd`: {}", e.context())))?;
         by_addr
             .entry(addr.to_string())
             .or_insert_with(|| (addr, Vec::new()))
@@ -280,7 +280,8 @@ fn peer_transports(config: &Config) -> Result<HashMap<u32, PeerTransport>, Start
         if !config.disk.iter().any(|d| d.peer == Some(p.id)) {
             continue;
         }
-        let t = transports::build(p, i, node.id, &node.data_dir).map_err(StartError::Config)?;
+        let t = transports::build(p, i, node.id, &node.data_dir)
+            .map_err(|e| StartError::Config(e.context().to_string()))?;
         for n in &t.notes {
             match n {
                 Note::Warn(m) => warn!("{m}"),

@@ -228,7 +228,7 @@ impl CacheSection {
                 ),
             ));
         }
-        cfg.check().map_err(|m| ("", m))?;
+        cfg.check().map_err(|e| ("", e.context().to_string()))?;
         Ok(cfg)
     }
 }
@@ -517,7 +517,7 @@ impl Config {
                 ));
             }
             if let Some(nbd) = &d.nbd {
-                NbdAddr::parse(nbd).map_err(|m| err(key("nbd"), m))?;
+                NbdAddr::parse(nbd).map_err(|e| err(key("nbd"), e.context()))?;
             }
             if let Some(peer) = d.peer {
                 if !peer_ids.contains(&peer) {

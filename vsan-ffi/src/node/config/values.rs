@@ -10,6 +10,7 @@ use std::path::PathBuf;
 use serde::de::Error as _;
 use serde::{Deserialize, Deserializer};
 use vsan_cache::CacheMode;
+use vsan_core::{Error, ErrorKind};
 
 /// A size in bytes, written as an integer or a string with a unit ("1GiB", "256MiB").
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -242,16 +243,25 @@ impl fmt::Display for NbdAddr {
 }
 
 impl NbdAddr {
-    /// Parse "host:port" or "unix:/path".
-    pub fn parse(s: &str) -> Result<NbdAddr, String> {
+    /// Parse "host:port" or "unix:/path"; anything else is
+    /// [`ErrorKind::InvalidArgument`], saying what to write.
+    pub fn parse(s: &str) -> vsan_core::Result<NbdAddr> {
         if let Some(p) = s.strip_prefix("unix:") {
             if p.is_empty() {
-                return Err("unix socket path is empty".into());
+                return Err(Error::new(
+                    ErrorKind::InvalidArgument,
+                    "unix socket path is empty",
+                ));
             }
             return Ok(NbdAddr::Unix(PathBuf::from(p)));
         }
         s.parse::<SocketAddr>().map(NbdAddr::Tcp).map_err(|_| {
-            format!("{s:?} is not an address; write \"127.0.0.1:10809\" or \"unix:/path/to.sock\"")
+            Error::new(
+                ErrorKind::InvalidArgument,
+                format!(
+                    "{s:?} is not an address; write \"127.0.0.1:10809\" or \"unix:/path/to.sock\""
+                ),
+            )
         })
     }
 }
