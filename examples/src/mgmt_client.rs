@@ -103,7 +103,7 @@ pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
 pub async fn connect(target: &Target) -> Result<Client, ConnectError> {
     let uri = node_uri(&target.node, target.tls_ca.is_some()).map_err(ConnectError::Usage)?;
     let token = AddToken::new(target.token.as_deref())
-        .map_err(|e| ConnectError::Usage(format!("bad token: {e}")))?;
+        .map_err(|e| ConnectError::Usage(format!("bad token: {}", e.context())))?;
     let mut endpoint = Endpoint::from_shared(uri.clone())
         .map_err(|e| ConnectError::Usage(format!("{uri}: {}", error_chain(&e))))?
         .connect_timeout(CONNECT_TIMEOUT)

@@ -13,12 +13,14 @@ mod common;
 
 use std::time::{Duration, Instant};
 
+use common::in_process::node;
 use common::mirror::{CONNECTED, Side};
 use common::{
     Node, Region, Sig, TestDir, disk_section, field, image, node_section, qemu_io_reads,
     qemu_io_writes, require_tool, run_node_to_exit, toml_str,
 };
 use prometheus_parse::{LineInfo, Sample, Scrape, Value};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
@@ -290,7 +292,7 @@ fn mirror_link_state_and_resync() {
     for (addr, peer) in [(&m1, "2"), (&m2, "1")] {
         let s = scrape(addr);
         let labels = [("disk", "vol0"), ("peer", peer), ("state", "connected")];
-        assert_eq!(gauge(&s, link, &labels), 2.0, "{addr}");
+        assert_eq!(gauge(&s, link, &labels), 3.0, "{addr}");
         assert_eq!(gauge(&s, "vsan_mirror_syncing", &[("disk", "vol0")]), 0.0);
         assert_eq!(
             gauge(
@@ -333,7 +335,7 @@ fn mirror_link_state_and_resync() {
         .collect();
     qemu_io_writes(&n2.uri("vol0"), &regions);
     let s = scrape(&m2);
-    assert_eq!(gauge(&s, link, &degraded), 3.0);
+    assert_eq!(gauge(&s, link, &degraded), 4.0);
     assert!(gauge(&s, "vsan_mirror_out_of_sync_chunks", &disk) >= 64.0);
 
     // Node 1 returns: node 2 resyncs it (at 2 MiB/s, so a scrape sees it run), and
@@ -374,7 +376,7 @@ fn mirror_link_state_and_resync() {
     }
     let s = scrape(&m1);
     let labels = [("disk", "vol0"), ("peer", "2"), ("state", "connected")];
-    assert_eq!(gauge(&s, link, &labels), 2.0);
+    assert_eq!(gauge(&s, link, &labels), 3.0);
     n1.stop_clean(Sig::TERM);
     n2.stop_clean(Sig::TERM);
 }
@@ -425,4 +427,44 @@ fn other_paths_are_not_found() {
     // Still serving after all that.
     scrape(&addr);
     node.stop_clean(Sig::TERM);
+}
+
+/// 64 clients that pipeline requests and never read the answers held every metrics
+/// connection slot for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_clients_that_never_read_do_not_lock_out_scrapes() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = node(
+        dir.path(),
+        "metrics = \"127.0.0.1:0\"",
+        "[[disk]]\nname = \"vol0\"\nsize = \"1MiB\"\nbacking = \"mem\"\n",
+    )
+    .await;
+    let addr = n.metrics_address().unwrap().to_string();
+    let req = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n".repeat(4000);
+    let mut hogs = Vec::new();
+    for _ in 0..64 {
+        let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        let _ = tokio::time::timeout(Duration::from_secs(2), s.write_all(&req)).await;
+        hogs.push(s);
+    }
+    // Past the connection limit (10 s).
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    let scrape = tokio::time::timeout(Duration::from_secs(5), async {
+        let mut s = tokio::net::TcpStream::connect(&addr).await?;
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .await?;
+        let mut out = Vec::new();
+        s.read_to_end(&mut out).await?;
+        Ok::<_, std::io::Error>(out)
+    })
+    .await;
+    drop(hogs);
+    n.shutdown().await.unwrap();
+    let ok = matches!(&scrape, Ok(Ok(b)) if b.starts_with(b"HTTP/1.1 200"));
+    assert!(
+        ok,
+        "a scrape after 64 stalled clients: {:?}",
+        scrape.map(|r| r.map(|b| b.len()))
+    );
 }

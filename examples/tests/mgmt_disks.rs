@@ -8,6 +8,7 @@ mod common;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::in_process::{client, node};
 use common::mirror::{Side, start_pair};
 use common::{ProcessGuard, Region, qemu_io_reads, qemu_io_writes, require_tool};
 use vsan_replica::mgmt::v1;
@@ -230,4 +231,34 @@ fn a_mirrored_disk_created_used_and_deleted_through_the_api() {
     }];
     qemu_io_writes(&pair.n1.uri("vol0"), &c);
     qemu_io_reads(&pair.n2.uri("vol0"), &c);
+}
+
+/// CreateDisk with `nbd = "unix:<path of another disk's image>"` unlinked the image.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_unix_nbd_path_never_removes_another_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = node(
+        dir.path(),
+        "",
+        "[[disk]]\nname = \"vol0\"\nsize = \"1MiB\"\n",
+    )
+    .await;
+    let image = dir.path().join("vol0.img");
+    assert!(image.exists());
+    let mut c = client(&n).await;
+    let r = c
+        .create_disk(v1::CreateDiskRequest {
+            name: "vol1".into(),
+            size: 1 << 20,
+            backing: "mem".into(),
+            nbd: format!("unix:{}", image.display()),
+            ..Default::default()
+        })
+        .await;
+    let is_file = std::fs::symlink_metadata(&image).is_ok_and(|m| m.file_type().is_file());
+    n.shutdown().await.unwrap();
+    let e = r.expect_err("refused");
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+    assert!(e.message().contains("not a socket"), "{e:?}");
+    assert!(is_file, "the image of disk vol0 is still a file");
 }

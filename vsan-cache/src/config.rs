@@ -1,5 +1,7 @@
 //! Settings of a [`WriteBackCache`](crate::WriteBackCache), and what it reports.
 
+use vsan_core::{Error, ErrorKind, Result};
+
 use crate::format::CacheMode;
 
 /// What reads of blocks whose dirty data was lost with a failed cache device return.
@@ -60,19 +62,24 @@ impl Default for CacheConfig {
 }
 
 impl CacheConfig {
-    /// Checks the watermarks (`0 < low < high <= 100`) and the epoch size.
-    pub fn check(&self) -> Result<(), String> {
+    /// Checks the watermarks (`0 < low < high <= 100`), the epoch size and the minimum
+    /// destage rate; a setting out of range is [`ErrorKind::InvalidArgument`].
+    pub fn check(&self) -> Result<()> {
+        let bad = |why: String| Error::new(ErrorKind::InvalidArgument, why);
         let (lo, hi) = (self.low_watermark, self.high_watermark);
         if !(lo > 0 && lo < hi && hi <= 100) {
-            return Err(format!(
+            return Err(bad(format!(
                 "watermarks must satisfy 0 < low < high <= 100 (low {lo}, high {hi})"
-            ));
+            )));
         }
         if self.epoch_bytes < 4096 {
-            return Err(format!("epoch of {} bytes is under 4096", self.epoch_bytes));
+            return Err(bad(format!(
+                "epoch of {} bytes is under 4096",
+                self.epoch_bytes
+            )));
         }
         if self.min_destage_rate == 0 {
-            return Err("minimum destage rate must not be 0".into());
+            return Err(bad("minimum destage rate must not be 0".into()));
         }
         Ok(())
     }

@@ -29,15 +29,3 @@ pub mod wire;
 pub mod witness;
 
 pub use mirror::{MirrorStatus, MirroredDisk, Replica, SyncStart, meta_params};
-
-#[cfg(test)]
-mod tests {
-    /// The mirror stacks on any `BlockDevice`; this checks the dependency is wired so the
-    /// crate can name the trait it will implement.
-    #[test]
-    fn core_trait_is_reachable() {
-        fn takes_device(_: &dyn vsan_core::BlockDevice) {}
-        let g = vsan_core::Geometry::new(4096, 512).unwrap();
-        takes_device(&vsan_core::MemDevice::new(g));
-    }
-}

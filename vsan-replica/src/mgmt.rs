@@ -10,6 +10,7 @@ use std::sync::Arc;
 use tonic::metadata::{Ascii, MetadataValue};
 use tonic::service::Interceptor;
 use tonic::{Request, Status};
+use vsan_core::{Error, ErrorKind};
 
 /// The generated `vsan.mgmt.v1` messages, server and client.
 #[allow(missing_docs, clippy::all, missing_debug_implementations)]
@@ -128,15 +129,17 @@ pub struct AddToken {
 }
 
 impl AddToken {
-    /// Add `token` (`None`: nothing). Fails when the token is not printable ASCII.
-    pub fn new(token: Option<&str>) -> Result<AddToken, String> {
+    /// Add `token` (`None`: nothing). Fails ([`ErrorKind::InvalidArgument`]) when the
+    /// token is not printable ASCII.
+    pub fn new(token: Option<&str>) -> vsan_core::Result<AddToken> {
         let value = match token {
             None => None,
-            Some(t) => Some(
-                format!("Bearer {t}")
-                    .parse()
-                    .map_err(|_| "the token must be printable ASCII".to_string())?,
-            ),
+            Some(t) => Some(format!("Bearer {t}").parse().map_err(|_| {
+                Error::new(
+                    ErrorKind::InvalidArgument,
+                    "the token must be printable ASCII",
+                )
+            })?),
         };
         Ok(AddToken { value })
     }

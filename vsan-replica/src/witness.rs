@@ -232,33 +232,36 @@ impl Reply {
     }
 }
 
-fn parse_request(line: &str) -> std::result::Result<Request<'_>, String> {
+/// A request line as the witness protocol has it; a line that breaks the protocol is
+/// [`ErrorKind::Protocol`], saying how (its text is what the client is answered).
+fn parse_request(line: &str) -> Result<Request<'_>> {
+    let refused = |why: String| Error::new(ErrorKind::Protocol, why);
     let mut tokens = line.split_whitespace();
     let Some(verb) = tokens.next() else {
-        return Err("empty request".into());
+        return Err(refused("empty request".into()));
     };
     let request = match verb {
         "PING" => Request::Ping,
         "CLAIM" | "RELEASE" => {
             let node = tokens
                 .next()
-                .ok_or_else(|| format!("{verb} needs <node_id> <disk>"))?;
+                .ok_or_else(|| refused(format!("{verb} needs <node_id> <disk>")))?;
             let node: u32 = node
                 .parse()
-                .map_err(|_| format!("bad node id {:?}", clip(node)))?;
+                .map_err(|_| refused(format!("bad node id {:?}", clip(node))))?;
             let disk = tokens
                 .next()
-                .ok_or_else(|| format!("{verb} needs <node_id> <disk>"))?;
+                .ok_or_else(|| refused(format!("{verb} needs <node_id> <disk>")))?;
             if verb == "CLAIM" {
                 Request::Claim { node, disk }
             } else {
                 Request::Release { node, disk }
             }
         }
-        other => return Err(format!("unknown request {:?}", clip(other))),
+        other => return Err(refused(format!("unknown request {:?}", clip(other)))),
     };
     if tokens.next().is_some() {
-        return Err(format!("too many arguments for {verb}"));
+        return Err(refused(format!("too many arguments for {verb}")));
     }
     Ok(request)
 }
@@ -365,7 +368,7 @@ async fn answer(bytes: &[u8], registry: &Mutex<Registry>) -> Reply {
     };
     let request = match parse_request(line) {
         Ok(r) => r,
-        Err(why) => return Reply::Err(why),
+        Err(why) => return Reply::Err(why.context().to_string()),
     };
     let result = match request {
         Request::Ping => return Reply::Pong,
@@ -588,17 +591,17 @@ mod tests {
 
     #[test]
     fn requests_parse_or_explain() {
-        assert_eq!(parse_request("PING"), Ok(Request::Ping));
+        assert_eq!(parse_request("PING").ok(), Some(Request::Ping));
         assert_eq!(
-            parse_request("CLAIM 7 vol0"),
-            Ok(Request::Claim {
+            parse_request("CLAIM 7 vol0").ok(),
+            Some(Request::Claim {
                 node: 7,
                 disk: "vol0"
             })
         );
         assert_eq!(
-            parse_request("  RELEASE\t2  vol-1 "),
-            Ok(Request::Release {
+            parse_request("  RELEASE\t2  vol-1 ").ok(),
+            Some(Request::Release {
                 node: 2,
                 disk: "vol-1"
             })

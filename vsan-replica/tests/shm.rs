@@ -888,3 +888,79 @@ async fn qd1_latency_shm_versus_tcp() {
         println!("QD1 round trip, {l}");
     }
 }
+
+/// A send racing close on shm, as on QUIC.
+mod send_racing_close {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use tokio::time::timeout;
+    use vsan_core::ErrorKind;
+    use vsan_replica::protocol::Message;
+    use vsan_replica::transport::Transport;
+
+    const WAIT: Duration = Duration::from_secs(10);
+
+    async fn within<T>(what: &str, fut: impl Future<Output = T>) -> T {
+        match timeout(WAIT, fut).await {
+            Ok(v) => v,
+            Err(_) => panic!("{what}: no result within {WAIT:?}"),
+        }
+    }
+
+    /// A `send` that races `close` on another task is delivered or refused, never
+    /// silently dropped, as on QUIC (`enqueue_many` checks `closing` and queues under one
+    /// lock).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn shm_a_send_racing_close_is_delivered_or_refused_never_silently_dropped() {
+        use vsan_replica::transport::loopback::shm::ShmTransport;
+        let dir = tempfile::tempdir().unwrap();
+        let addr = dir.path().join("race.sock").to_str().unwrap().to_string();
+        let t = ShmTransport::new();
+        let listener = t.listen(&addr).await.unwrap();
+        for trial in 0..300u64 {
+            let (a, b) = within("connect", async {
+                tokio::join!(t.connect(&addr), listener.accept())
+            })
+            .await;
+            let (a, mut b) = (Arc::new(a.unwrap()), b.unwrap());
+            let sender = tokio::spawn({
+                let a = Arc::clone(&a);
+                async move {
+                    let mut accepted = Vec::new();
+                    for id in 0u64.. {
+                        match a.send(Message::Ping { id }).await {
+                            Ok(()) => accepted.push(id),
+                            Err(e) => {
+                                assert_eq!(e.kind(), ErrorKind::Closed, "{e}");
+                                break;
+                            }
+                        }
+                        if id % 16 == 0 {
+                            tokio::task::yield_now().await;
+                        }
+                    }
+                    accepted
+                }
+            });
+            let spin = std::time::Instant::now();
+            while spin.elapsed() < Duration::from_micros(50 + (trial * 37) % 400) {
+                std::hint::spin_loop();
+            }
+            within("close", a.close()).await.unwrap();
+            let accepted = within("sender", sender).await.unwrap();
+            let mut got = Vec::new();
+            loop {
+                match within("recv", b.recv()).await {
+                    Ok(Message::Ping { id }) => got.push(id),
+                    Ok(other) => panic!("{other:?}"),
+                    Err(e) => {
+                        assert_eq!(e.kind(), ErrorKind::Closed, "{e}");
+                        break;
+                    }
+                }
+            }
+            assert_eq!(got, accepted, "trial {trial}");
+        }
+    }
+}

@@ -168,7 +168,9 @@ async fn run(config: Config, options: StartOptions) -> Result<(), StartError> {
     for task in reporters {
         let _ = task.await;
     }
-    node.shutdown().await.map_err(StartError::Runtime)?;
+    node.shutdown()
+        .await
+        .map_err(|e| StartError::Runtime(e.context().to_string()))?;
     info!("vsan-node stopped cleanly");
     Ok(())
 }

@@ -10,8 +10,10 @@
 #![allow(dead_code)]
 
 pub mod fio;
+pub mod in_process;
 pub mod mirror;
 pub mod proxy;
+pub mod vsanctl;
 pub mod witness;
 
 use std::collections::HashMap;

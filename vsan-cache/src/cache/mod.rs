@@ -318,7 +318,7 @@ impl WriteBackCache {
         cfg: CacheConfig,
     ) -> Result<WriteBackCache> {
         cfg.check()
-            .map_err(|e| Error::new(ErrorKind::InvalidArgument, format!("cache settings: {e}")))?;
+            .map_err(|e| e.context_prefix("cache settings"))?;
         check_fast_block(&fast)?;
         let mut sb = Self::inspect(&fast).await?;
         if sb.failed {

@@ -32,7 +32,7 @@
 //! | `vsan_disk_written_bytes_total` | counter | bytes written by successful writes |
 //! | `vsan_disk_operation_duration_seconds{op}` | histogram | request latency, submission to completion |
 //! | `vsan_disk_size_bytes` | gauge | the disk's size |
-//! | `vsan_mirror_link_state{peer,state}` | gauge | the link: 0 waiting, 1 handshaking, 2 connected, 3 degraded (`state` names it) |
+//! | `vsan_mirror_link_state{peer,state}` | gauge | the link: 1 waiting, 2 handshaking, 3 connected, 4 degraded, the C ABI's `VSAN_LINK_*` codes (`state` names it) |
 //! | `vsan_mirror_syncing` | gauge | 1 while a resync or verify runs |
 //! | `vsan_mirror_resync_remaining_bytes` | gauge | bytes the running resync or verify has left (0 when none runs) |
 //! | `vsan_mirror_out_of_sync_chunks` | gauge | chunks this replica's bitmap marks out of sync |
@@ -419,12 +419,13 @@ impl fmt::Debug for DiskStates {
 }
 
 /// The number a link state is exported as, and its `state` label.
-fn link_code(state: LinkState) -> (i64, &'static str) {
+/// The `state` label of a link state (its value is the C ABI's `VSAN_LINK_*` code).
+fn link_word(state: LinkState) -> &'static str {
     match state {
-        LinkState::Waiting => (0, "waiting"),
-        LinkState::Handshaking => (1, "handshaking"),
-        LinkState::Connected => (2, "connected"),
-        LinkState::Degraded => (3, "degraded"),
+        LinkState::Waiting => "waiting",
+        LinkState::Handshaking => "handshaking",
+        LinkState::Connected => "connected",
+        LinkState::Degraded => "degraded",
     }
 }
 
@@ -482,17 +483,17 @@ impl Collector for DiskStates {
         if !mirrors.is_empty() {
             let mut metric = encoder.encode_descriptor(
                 "vsan_mirror_link_state",
-                "The link to the peer: 0 waiting (never connected), 1 handshaking, \
-                 2 connected (mirroring), 3 degraded (peer lost; writes go on alone); \
-                 the state label names it.",
+                "The link to the peer: 1 waiting (never connected), 2 handshaking, \
+                 3 connected (mirroring), 4 degraded (peer lost; writes go on alone), as the \
+                 C ABI's VSAN_LINK_* codes; the state label names it.",
                 None,
                 G,
             )?;
             for (disk, peer, status, _) in &mirrors {
-                let (code, word) = link_code(status.link);
+                let (code, word) = (crate::link_code(status.link), link_word(status.link));
                 let peer = peer.to_string();
                 let labels = [("disk", *disk), ("peer", peer.as_str()), ("state", word)];
-                ConstGauge::new(code).encode(metric.encode_family(&labels)?)?;
+                ConstGauge::new(i64::from(code)).encode(metric.encode_family(&labels)?)?;
             }
             let mut metric = encoder.encode_descriptor(
                 "vsan_mirror_syncing",
@@ -634,11 +635,12 @@ impl NodeMetrics {
             ))
         })?;
         let listener = TcpListener::bind(socket).await.map_err(|e| {
-            if e.kind() == std::io::ErrorKind::AddrInUse {
-                StartError::AddressInUse(format!("{key}: address {addr} is already in use"))
-            } else {
-                StartError::Config(format!("{key}: cannot listen on {addr}: {e}"))
-            }
+            super::listen_error(
+                "node.metrics",
+                addr,
+                e.kind() == std::io::ErrorKind::AddrInUse,
+                &e,
+            )
         })?;
         let address = listener
             .local_addr()

@@ -17,7 +17,7 @@ use tonic::transport::{Identity, ServerTlsConfig};
 use tonic::{Request, Response, Status};
 use tracing::{info, warn};
 use vsan_cache::{CacheMode, CacheState};
-use vsan_core::ErrorKind;
+use vsan_core::{Error, ErrorKind};
 use vsan_replica::mgmt::RequireToken;
 use vsan_replica::mgmt::v1;
 use vsan_replica::mgmt::v1::mgmt_server::{Mgmt, MgmtServer};
@@ -72,7 +72,7 @@ impl Drop for Running {
 }
 
 /// The token the config gives (inline or from its file).
-fn token(node: &NodeSection) -> Result<Option<String>, String> {
+fn token(node: &NodeSection) -> vsan_core::Result<Option<String>> {
     if let Some(t) = &node.mgmt_token {
         return Ok(Some(t.clone()));
     }
@@ -80,16 +80,22 @@ fn token(node: &NodeSection) -> Result<Option<String>, String> {
         return Ok(None);
     };
     let text = std::fs::read_to_string(path).map_err(|e| {
-        format!(
-            "key `node.mgmt_token_file`: cannot read {}: {e}",
-            path.display()
+        Error::new(
+            ErrorKind::from_io(&e),
+            format!(
+                "key `node.mgmt_token_file`: cannot read {}: {e}",
+                path.display()
+            ),
         )
     })?;
     let t = text.lines().next().unwrap_or("").trim().to_string();
     if t.is_empty() {
-        return Err(format!(
-            "key `node.mgmt_token_file`: {} holds no token",
-            path.display()
+        return Err(Error::new(
+            ErrorKind::InvalidArgument,
+            format!(
+                "key `node.mgmt_token_file`: {} holds no token",
+                path.display()
+            ),
         ));
     }
     Ok(Some(t))
@@ -105,22 +111,31 @@ pub(crate) fn serve(
     node: &NodeSection,
     listener: tokio::net::TcpListener,
     shared: Arc<Shared>,
-) -> Result<Running, String> {
+) -> vsan_core::Result<Running> {
     let address = listener
         .local_addr()
-        .map_err(|e| format!("key `node.mgmt`: {e}"))?;
+        .map_err(|e| Error::new(ErrorKind::from_io(&e), format!("key `node.mgmt`: {e}")))?;
     let token = token(node)?;
     let mut builder = tonic::transport::Server::builder();
     let tls = match (&node.mgmt_cert, &node.mgmt_key) {
         (Some(cert), Some(key)) => {
             let read = |p: &std::path::Path, k: &str| {
-                std::fs::read(p)
-                    .map_err(|e| format!("key `node.{k}`: cannot read {}: {e}", p.display()))
+                std::fs::read(p).map_err(|e| {
+                    Error::new(
+                        ErrorKind::from_io(&e),
+                        format!("key `node.{k}`: cannot read {}: {e}", p.display()),
+                    )
+                })
             };
             let identity = Identity::from_pem(read(cert, "mgmt_cert")?, read(key, "mgmt_key")?);
             builder = builder
                 .tls_config(ServerTlsConfig::new().identity(identity))
-                .map_err(|e| format!("key `node.mgmt_cert`: {e}"))?;
+                .map_err(|e| {
+                    Error::new(
+                        ErrorKind::InvalidArgument,
+                        format!("key `node.mgmt_cert`: {e}"),
+                    )
+                })?;
             true
         }
         _ => false,
@@ -605,7 +620,8 @@ fn disk_section(req: &v1::CreateDiskRequest) -> Result<DiskSection, Status> {
         table.insert("peer".into(), i64::from(req.peer).into());
     }
     if !req.nbd.is_empty() {
-        NbdAddr::parse(&req.nbd).map_err(|m| Status::invalid_argument(format!("nbd: {m}")))?;
+        NbdAddr::parse(&req.nbd)
+            .map_err(|e| Status::invalid_argument(format!("nbd: {}", e.context())))?;
         table.insert("nbd".into(), req.nbd.clone().into());
     }
     let d = DiskSection::deserialize(toml::Value::Table(table))
@@ -659,8 +675,8 @@ async fn create(shared: &Shared, d: &DiskSection) -> Result<NodeDisk, Status> {
     let nbd = match &d.nbd {
         None => None,
         Some(a) => {
-            let addr = NbdAddr::parse(a).map_err(Status::invalid_argument)?;
-            let l = super::bind(&addr).await.map_err(|e| {
+            let addr = NbdAddr::parse(a).map_err(|e| Status::invalid_argument(e.context()))?;
+            let l = super::start::bind(&addr).await.map_err(|e| {
                 Status::failed_precondition(format!("cannot listen on {addr}: {e}"))
             })?;
             Some((addr, l))
@@ -675,17 +691,17 @@ async fn create(shared: &Shared, d: &DiskSection) -> Result<NodeDisk, Status> {
             )));
         }
     }
-    let local = super::open_disk(0, d, &node.data_dir).map_err(start_error)?;
+    let local = super::start::open_disk(0, d, &node.data_dir).map_err(start_error)?;
     let mut created = Created::default();
     let mirror = match peer {
         None => None,
         Some((i, p)) => {
-            let cfg = super::mirror_config(node, "disk", d, p.id, local.geometry(), shared.quorum)
-                .map_err(start_error)?;
+            let cfg = super::start::mirror_config(node, d, p.id, local.geometry(), shared.quorum);
             let chunk = d.bitmap_chunk.map_or(DEFAULT_CHUNK_SIZE, |c| c.0);
-            let replica = super::open_replica(d, &node.data_dir, &cfg, chunk, Arc::clone(&local))
-                .await
-                .map_err(start_error)?;
+            let replica =
+                super::start::open_replica(d, &node.data_dir, &cfg, chunk, Arc::clone(&local))
+                    .await
+                    .map_err(start_error)?;
             let disk = MirroredDisk::start(cfg, replica, shared.witness.clone())
                 .map_err(|e| Status::internal(e.to_string()))?;
             if node.id < p.id {
@@ -695,7 +711,7 @@ async fn create(shared: &Shared, d: &DiskSection) -> Result<NodeDisk, Status> {
                         Some(t) => Arc::clone(t),
                         None => {
                             let t = transports::build(p, i, node.id, &node.data_dir)
-                                .map_err(Status::failed_precondition)?;
+                                .map_err(|e| Status::failed_precondition(e.context()))?;
                             dialers.insert(p.id, Arc::clone(&t.dial));
                             t.dial
                         }
@@ -726,7 +742,7 @@ async fn create(shared: &Shared, d: &DiskSection) -> Result<NodeDisk, Status> {
         device: Arc::clone(&device),
         mirror,
         peer_id: d.peer,
-        transport: peer.map(|(_, p)| p.transport.clone()),
+        transport: peer.map(|(_, p)| p.transport.word().to_string()),
         nbd: None,
         cache: None,
     };
@@ -736,7 +752,7 @@ async fn create(shared: &Shared, d: &DiskSection) -> Result<NodeDisk, Status> {
         ])
         .map_err(|e| Status::internal(e.to_string()))?;
         let (shown, task) = match listener {
-            super::Listener::Tcp(l) => {
+            super::start::Listener::Tcp(l) => {
                 let shown = l
                     .local_addr()
                     .map(|a| a.to_string())
@@ -744,7 +760,7 @@ async fn create(shared: &Shared, d: &DiskSection) -> Result<NodeDisk, Status> {
                 let s = server.clone();
                 (shown, tokio::spawn(async move { s.serve_tcp(l).await }))
             }
-            super::Listener::Unix(l, path) => {
+            super::start::Listener::Unix(l, path) => {
                 let s = server.clone();
                 created.socket = Some(path.clone());
                 (

@@ -14,7 +14,9 @@ use vsan_replica::transport::quic::{
 use vsan_replica::transport::rdma::{RdmaConfig, RdmaTransport};
 use vsan_replica::transport::{SharedSecret, TcpConfig, TcpTransport, Transport};
 
-use super::config::PeerSection;
+use vsan_core::{Error, ErrorKind, Result};
+
+use super::config::{PeerSection, TransportKind};
 
 /// The transports for one peer.
 #[derive(Debug, Clone)]
@@ -36,19 +38,21 @@ pub enum Note {
     Info(String),
 }
 
-/// Builds the transports of `[[peer]]` number `index` for node `node_id`; errors name
-/// the key (`peer[0].peer_fingerprint: ...`).
+/// Builds the transports of `[[peer]]` number `index` for node `node_id`; an error's
+/// context names the key (``key `peer[0].peer_fingerprint`: ...``), its kind is the
+/// cause's ([`ErrorKind::InvalidArgument`] for a setting that cannot work).
 pub fn build(
     peer: &PeerSection,
     index: usize,
     node_id: u32,
     data_dir: &Path,
-) -> Result<PeerTransport, String> {
+) -> Result<PeerTransport> {
     let key = |k: &str| format!("key `peer[{index}].{k}`");
     let mut notes = Vec::new();
-    let inner: Arc<dyn Transport> = match peer.transport.as_str() {
-        "tcp" | "rdma" => {
-            let secret = secret_of(peer).map_err(|m| format!("{}: {m}", key("secret")))?;
+    let inner: Arc<dyn Transport> = match peer.transport {
+        TransportKind::Tcp | TransportKind::Rdma => {
+            let secret = secret_of(peer)
+                .map_err(|e| Error::new(e.kind(), format!("{}: {}", key("secret"), e.context())))?;
             if secret.is_none() {
                 notes.push(Note::Warn(format!(
                     "the replication link with peer {} is UNAUTHENTICATED ({} without a \
@@ -59,7 +63,7 @@ pub fn build(
             }
             let mut tcp = TcpConfig::default();
             tcp.secret = secret;
-            if peer.transport == "tcp" {
+            if peer.transport == TransportKind::Tcp {
                 Arc::new(TcpTransport::with_config(tcp))
             } else {
                 let mut cfg = RdmaConfig::default();
@@ -67,7 +71,7 @@ pub fn build(
                 Arc::new(RdmaTransport::with_config(cfg))
             }
         }
-        "loopback" => {
+        TransportKind::Loopback => {
             let mut cfg = LoopbackConfig::default();
             cfg.busy_poll = peer
                 .busy_poll_us
@@ -75,7 +79,7 @@ pub fn build(
                 .map(Duration::from_micros);
             Arc::new(LoopbackTransport::with_config(cfg))
         }
-        "quic" => {
+        TransportKind::Quic => {
             let cert = peer
                 .cert
                 .clone()
@@ -86,7 +90,7 @@ pub fn build(
                 .unwrap_or_else(|| data_dir.join(format!("node-{node_id}.key")));
             let identity =
                 Identity::load_or_generate(&cert, &private, &format!("vsan-node-{node_id}"))
-                    .map_err(|e| format!("{}: {e}", key("cert")))?;
+                    .map_err(|e| Error::new(e.kind(), format!("{}: {e}", key("cert"))))?;
             let me = identity.fingerprint();
             notes.push(Note::Info(format!(
                 "quic identity for peer {}: {} (certificate {}); pin it on the peer as \
@@ -97,22 +101,25 @@ pub fn build(
             )));
             let mut cfg = match (&peer.peer_fingerprint, &peer.peer_ca) {
                 (Some(f), _) => {
-                    let f: Fingerprint = f
-                        .parse()
-                        .map_err(|e| format!("{}: {e}", key("peer_fingerprint")))?;
+                    let f: Fingerprint = f.parse().map_err(|e: Error| {
+                        Error::new(e.kind(), format!("{}: {e}", key("peer_fingerprint")))
+                    })?;
                     QuicConfig::pinned(identity, [f])
                 }
                 (None, Some(ca)) => {
                     let ca = CaCertificates::from_pem_file(ca)
-                        .map_err(|e| format!("{}: {e}", key("peer_ca")))?;
+                        .map_err(|e| Error::new(e.kind(), format!("{}: {e}", key("peer_ca"))))?;
                     QuicConfig::with_ca(identity, ca)
                 }
                 (None, None) => {
-                    return Err(format!(
-                        "{}: quic needs the peer's certificate pinned (peer_fingerprint) or a \
+                    return Err(Error::new(
+                        ErrorKind::InvalidArgument,
+                        format!(
+                            "{}: quic needs the peer's certificate pinned (peer_fingerprint) or a \
                          CA (peer_ca); this node's certificate {} is {me}: pin it on the peer",
-                        key("peer_fingerprint"),
-                        cert.display()
+                            key("peer_fingerprint"),
+                            cert.display()
+                        ),
                     ));
                 }
             };
@@ -121,24 +128,28 @@ pub fn build(
             {
                 cfg.peer_ca = Some(
                     CaCertificates::from_pem_file(ca)
-                        .map_err(|e| format!("{}: {e}", key("peer_ca")))?,
+                        .map_err(|e| Error::new(e.kind(), format!("{}: {e}", key("peer_ca"))))?,
                 );
             }
-            Arc::new(QuicTransport::new(cfg).map_err(|e| format!("{}: {e}", key("transport")))?)
+            Arc::new(
+                QuicTransport::new(cfg)
+                    .map_err(|e| Error::new(e.kind(), format!("{}: {e}", key("transport"))))?,
+            )
         }
-        other => return Err(format!("{}: unknown transport {other:?}", key("transport"))),
     };
     let lanes = peer.lanes.unwrap_or(1);
     let dial: Arc<dyn Transport> = if lanes > 1 {
         Arc::new(
             LanesTransport::new(Arc::clone(&inner), lanes)
-                .map_err(|e| format!("{}: {e}", key("lanes")))?,
+                .map_err(|e| Error::new(e.kind(), format!("{}: {e}", key("lanes"))))?,
         )
     } else {
         Arc::clone(&inner)
     };
-    let listen: Arc<dyn Transport> =
-        Arc::new(LanesTransport::new(inner, 1).map_err(|e| format!("{}: {e}", key("lanes")))?);
+    let listen: Arc<dyn Transport> = Arc::new(
+        LanesTransport::new(inner, 1)
+            .map_err(|e| Error::new(e.kind(), format!("{}: {e}", key("lanes"))))?,
+    );
     Ok(PeerTransport {
         dial,
         listen,
@@ -146,12 +157,16 @@ pub fn build(
     })
 }
 
-fn secret_of(peer: &PeerSection) -> Result<Option<SharedSecret>, String> {
+fn secret_of(peer: &PeerSection) -> Result<Option<SharedSecret>> {
     let bytes = match (&peer.secret, &peer.secret_file) {
         (Some(s), _) => s.as_bytes().to_vec(),
         (None, Some(path)) => {
-            let mut b = std::fs::read(path)
-                .map_err(|e| format!("cannot read secret_file {}: {e}", path.display()))?;
+            let mut b = std::fs::read(path).map_err(|e| {
+                Error::new(
+                    ErrorKind::from_io(&e),
+                    format!("cannot read secret_file {}: {e}", path.display()),
+                )
+            })?;
             while b.last().is_some_and(|c| *c == b'\n' || *c == b'\r') {
                 b.pop();
             }
@@ -161,7 +176,7 @@ fn secret_of(peer: &PeerSection) -> Result<Option<SharedSecret>, String> {
     };
     SharedSecret::new(bytes)
         .map(Some)
-        .map_err(|e| e.to_string())
+        .map_err(|e| Error::new(e.kind(), e.to_string()))
 }
 
 /// Whether two peers' transports can share one listener (same kind and settings).

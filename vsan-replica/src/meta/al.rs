@@ -2,7 +2,9 @@
 
 use bytes::Bytes;
 
-use super::{AL_SLOTS, Layout, le_u32, le_u64, put};
+use vsan_core::Result;
+
+use super::{AL_SLOTS, Layout, corrupt, le_u32, le_u64, put};
 
 const MAGIC: [u8; 8] = *b"VSANALOG";
 const AT_SEQ: usize = 8;
@@ -43,40 +45,40 @@ pub fn encode_al(layout: &Layout, seq: u64, extents: &[u64]) -> Bytes {
 /// Reads a stored activity log record: its seq and extents. The error says why it is not
 /// one ("short record", "bad magic", "crc mismatch", a count over the slots, an extent past
 /// the end of the disk).
-pub fn decode_al(layout: &Layout, bytes: &[u8]) -> std::result::Result<(u64, Vec<u64>), String> {
+pub fn decode_al(layout: &Layout, bytes: &[u8]) -> Result<(u64, Vec<u64>)> {
     let len = layout.al_len();
     if bytes.len() < len {
-        return Err(format!(
+        return Err(corrupt(format!(
             "short record ({} bytes, an activity log copy is {len})",
             bytes.len()
-        ));
+        )));
     }
     let b = &bytes[..len];
     if b[..MAGIC.len()] != MAGIC {
         if b.iter().all(|&x| x == 0) {
-            return Err("bad magic (all zeros: never written)".into());
+            return Err(corrupt("bad magic (all zeros: never written)"));
         }
-        return Err("bad magic".into());
+        return Err(corrupt("bad magic"));
     }
     let (stored, actual) = (le_u32(b, len - 4), crc32fast::hash(&b[..len - 4]));
     if stored != actual {
-        return Err(format!(
+        return Err(corrupt(format!(
             "crc mismatch (stored {stored:#010x}, computed {actual:#010x})"
-        ));
+        )));
     }
     let seq = le_u64(b, AT_SEQ);
     let count = le_u32(b, AT_COUNT) as usize;
     if count > AL_SLOTS {
-        return Err(format!(
+        return Err(corrupt(format!(
             "count {count} is over the {AL_SLOTS} slots of the activity log"
-        ));
+        )));
     }
     let extents: Vec<u64> = (0..count).map(|i| le_u64(b, AT_EXTENTS + i * 8)).collect();
     if let Some(e) = extents.iter().find(|&&e| e >= layout.extents()) {
-        return Err(format!(
+        return Err(corrupt(format!(
             "extent {e} is past the end of the disk ({} extents)",
             layout.extents()
-        ));
+        )));
     }
     Ok((seq, extents))
 }
@@ -109,7 +111,7 @@ mod tests {
     fn refusals_say_why() {
         let l = layout();
         let good = encode_al(&l, 3, &[1, 2]);
-        let err = |b: &[u8]| decode_al(&l, b).unwrap_err();
+        let err = |b: &[u8]| decode_al(&l, b).unwrap_err().context().to_string();
         assert!(err(&good[..10]).starts_with("short record"));
         assert!(err(&vec![0u8; l.al_len()]).starts_with("bad magic"));
         let mut b = good.to_vec();

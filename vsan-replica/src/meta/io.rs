@@ -381,24 +381,20 @@ fn length_error(p: &MetaParams, have: u64, need: u64) -> Error {
 
 /// A record with `seq` belongs in copy `seq % 2`; one found in the other copy was not
 /// written by this code and is not trusted.
-fn in_its_copy(seq: u64, copy: u64) -> std::result::Result<(), String> {
+fn in_its_copy(seq: u64, copy: u64) -> Result<()> {
     if seq % 2 == copy {
         Ok(())
     } else {
-        Err(format!(
-            "holds seq {seq}, which belongs in copy {}",
-            seq % 2
+        Err(Error::new(
+            ErrorKind::Corrupt,
+            format!("holds seq {seq}, which belongs in copy {}", seq % 2),
         ))
     }
 }
 
 /// The newer of two copies, each `(seq, value)` or why it is bad; one bad copy is a
 /// warning, two are [`ErrorKind::Corrupt`].
-fn newest<T>(
-    p: &MetaParams,
-    name: &str,
-    copies: Vec<std::result::Result<(u64, T), String>>,
-) -> Result<T> {
+fn newest<T>(p: &MetaParams, name: &str, copies: Vec<Result<(u64, T)>>) -> Result<T> {
     let mut good: Option<(u64, T)> = None;
     let mut bad = Vec::new();
     for (copy, c) in copies.into_iter().enumerate() {
@@ -408,7 +404,7 @@ fn newest<T>(
                     good = Some((seq, v));
                 }
             }
-            Err(why) => bad.push(format!("copy {copy}: {why}")),
+            Err(why) => bad.push(format!("copy {copy}: {}", why.context())),
         }
     }
     match good {

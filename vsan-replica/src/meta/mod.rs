@@ -124,3 +124,9 @@ fn le_u16(b: &[u8], at: usize) -> u16 {
 }
 
 use vsan_core::le::{put, u32_at as le_u32, u64_at as le_u64};
+
+/// A stored record that is not one (a decoder's refusal): [`vsan_core::ErrorKind::Corrupt`]
+/// with why.
+fn corrupt(why: impl Into<String>) -> vsan_core::Error {
+    vsan_core::Error::new(vsan_core::ErrorKind::Corrupt, why)
+}

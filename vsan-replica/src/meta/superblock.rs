@@ -3,7 +3,9 @@
 
 use bytes::Bytes;
 
-use super::{META_BLOCK, le_u16, le_u32, le_u64, put};
+use vsan_core::Result;
+
+use super::{META_BLOCK, corrupt, le_u16, le_u32, le_u64, put};
 use crate::protocol::{DiskId, Generations};
 
 const MAGIC: [u8; 8] = *b"VSANMETA";
@@ -113,42 +115,45 @@ impl Superblock {
     /// Reads a stored superblock from the first [`META_BLOCK`] bytes of `block`; the error
     /// says why it is not one ("short block", "bad magic", "crc mismatch", "unsupported
     /// format version N", ...).
-    pub fn decode(block: &[u8]) -> std::result::Result<Superblock, String> {
+    pub fn decode(block: &[u8]) -> Result<Superblock> {
         if block.len() < META_BLOCK {
-            return Err(format!(
+            return Err(corrupt(format!(
                 "short block ({} bytes, a superblock is {META_BLOCK})",
                 block.len()
-            ));
+            )));
         }
         let b = &block[..META_BLOCK];
         if b[..MAGIC.len()] != MAGIC {
             if b.iter().all(|&x| x == 0) {
-                return Err("bad magic (all zeros: never written)".into());
+                return Err(corrupt("bad magic (all zeros: never written)"));
             }
-            return Err("bad magic".into());
+            return Err(corrupt("bad magic"));
         }
         let (stored, actual) = (le_u32(b, CRC_AT), crc32fast::hash(&b[..CRC_AT]));
         if stored != actual {
-            return Err(format!(
+            return Err(corrupt(format!(
                 "crc mismatch (stored {stored:#010x}, computed {actual:#010x})"
-            ));
+            )));
         }
         let version = le_u32(b, AT_VERSION);
         if version != FORMAT_VERSION {
-            return Err(format!("unsupported format version {version}"));
+            return Err(corrupt(format!("unsupported format version {version}")));
         }
         let flags = le_u32(b, AT_FLAGS);
         if flags & !KNOWN_FLAGS != 0 {
-            return Err(format!("unknown flags {:#x}", flags & !KNOWN_FLAGS));
+            return Err(corrupt(format!(
+                "unknown flags {:#x}",
+                flags & !KNOWN_FLAGS
+            )));
         }
         let name_len = usize::from(le_u16(b, AT_NAME_LEN));
         if name_len > MAX_NAME {
-            return Err(format!(
+            return Err(corrupt(format!(
                 "disk name length {name_len} is over the limit of {MAX_NAME}"
-            ));
+            )));
         }
         let disk_name = std::str::from_utf8(&b[AT_NAME..AT_NAME + name_len])
-            .map_err(|_| "disk name is not UTF-8".to_string())?
+            .map_err(|_| corrupt("disk name is not UTF-8"))?
             .to_string();
         let mut disk_id = [0u8; 16];
         disk_id.copy_from_slice(&b[AT_DISK_ID..AT_DISK_ID + 16]);
@@ -234,7 +239,7 @@ mod tests {
     #[test]
     fn refusals_say_why() {
         let good = sample().encode();
-        let err = |b: &[u8]| Superblock::decode(b).unwrap_err();
+        let err = |b: &[u8]| Superblock::decode(b).unwrap_err().context().to_string();
         assert!(err(&good[..100]).starts_with("short block"));
         assert!(err(&[0u8; META_BLOCK]).starts_with("bad magic"));
         let mut b = good.to_vec();

@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex, RwLock};
 use vsan_core::Geometry;
 
+use super::{Failure, VSAN_ERR_BAD_HANDLE, VSAN_ERR_CLOSED, VSAN_ERR_NULL_POINTER};
 use crate::node::{Node, NodeDisk};
-use crate::{Failure, VSAN_ERR_BAD_HANDLE, VSAN_ERR_CLOSED, VSAN_ERR_NULL_POINTER};
 
 /// An open node, as C sees it (opaque: only pointers to it are handed out, and those are
 /// tokens, never dereferenced).

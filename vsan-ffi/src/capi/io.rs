@@ -17,8 +17,8 @@ use std::task::{Context, Poll, Waker};
 use bytes::Bytes;
 use vsan_core::{BlockDevice, IoFlags, Op};
 
-use crate::handles::{self, DiskObj, InFlight, vsan_disk};
-use crate::{
+use super::handles::{self, DiskObj, InFlight, vsan_disk};
+use super::{
     Failure, VSAN_ERR_CLOSED, VSAN_ERR_INVALID_ARGUMENT, VSAN_ERR_IO, VSAN_ERR_NULL_POINTER,
     VSAN_ERR_OVERFLOW, VSAN_ERR_PANIC, call, core_failure, fail, not_in_callback, vsan_result,
 };
@@ -71,9 +71,9 @@ impl Completion {
     fn invoke(&self, result: Result<(), Failure>) {
         // The callback sees this I/O's message; the thread's own (its last failed call,
         // when the callback runs inline in a submit that succeeded) comes back after.
-        let saved = crate::LAST_ERROR.with(|m| std::mem::take(&mut *m.borrow_mut()));
+        let saved = super::LAST_ERROR.with(|m| std::mem::take(&mut *m.borrow_mut()));
         let code = match result {
-            Ok(()) => crate::VSAN_OK,
+            Ok(()) => super::VSAN_OK,
             Err((code, message)) => fail(code, message),
         };
         let was = IN_CALLBACK.replace(true);
@@ -81,7 +81,7 @@ impl Completion {
         // contract); it is called exactly once.
         unsafe { (self.callback)(self.userdata as *mut c_void, code, self.tag) };
         IN_CALLBACK.set(was);
-        crate::LAST_ERROR.with(|m| *m.borrow_mut() = saved);
+        super::LAST_ERROR.with(|m| *m.borrow_mut() = saved);
     }
 }
 
@@ -154,7 +154,7 @@ impl Future for CatchPanic {
             Ok(p) => p,
             Err(panic) => Poll::Ready(Err((
                 VSAN_ERR_PANIC,
-                format!("internal error: {}", crate::panic_message(&*panic)),
+                format!("internal error: {}", super::panic_message(&*panic)),
             ))),
         }
     }

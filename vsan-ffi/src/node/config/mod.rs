@@ -5,6 +5,8 @@
 //! error naming the key (`disk[0].size`) and the problem, so the operator gets one clear
 //! line instead of a node that half-starts.
 
+mod values;
+
 use std::collections::HashSet;
 use std::fmt;
 use std::net::SocketAddr;
@@ -12,6 +14,10 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 use vsan_cache::{CacheConfig, CacheMode};
+
+pub use values::{
+    NbdAddr, Quorum, Rate, Size, SplitBrain, Startup, TransportKind, cache_mode_word,
+};
 
 /// A configuration error: which key, and what is wrong with it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -38,36 +44,6 @@ fn err(key: impl Into<String>, message: impl Into<String>) -> ConfigError {
     ConfigError {
         key: key.into(),
         message: message.into(),
-    }
-}
-
-/// A size in bytes, written as an integer or a string with a unit ("1GiB", "256MiB").
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Size(pub u64);
-
-impl<'de> Deserialize<'de> for Size {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Size, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Raw {
-            Int(u64),
-            Text(String),
-        }
-        match Raw::deserialize(d) {
-            Ok(Raw::Int(n)) => Ok(Size(n)),
-            Ok(Raw::Text(s)) => parse_size::Config::new()
-                .with_binary()
-                .parse_size(s.trim())
-                .map(Size)
-                .map_err(|e| {
-                    serde::de::Error::custom(format!(
-                        "{s:?} is not a size ({e}); write e.g. \"1GiB\""
-                    ))
-                }),
-            Err(_) => Err(serde::de::Error::custom(
-                "expected a size such as \"1GiB\" or a number of bytes",
-            )),
-        }
     }
 }
 
@@ -112,7 +88,7 @@ pub struct NodeSection {
     /// What a node without its peer and without quorum does with I/O: "io-error" (the
     /// default: fail it) or "suspend" (hold it until the peer or quorum returns). Only
     /// with `witness`.
-    pub quorum: Option<String>,
+    pub quorum: Option<Quorum>,
     /// What a restarted node does when its peer does not connect within
     /// `peer_timeout_ms` and no witness is configured: "wait-for-peer" (the default:
     /// serve nothing from the replica, which may be stale, until the peer's handshake or
@@ -121,17 +97,6 @@ pub struct NodeSection {
     /// on alone before it stopped serves at once either way.
     #[serde(default)]
     pub startup: Startup,
-}
-
-/// `node.startup`: see [`NodeSection::startup`].
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Startup {
-    /// Serve nothing until the replica is proven current.
-    #[default]
-    WaitForPeer,
-    /// Serve alone once the peer timeout passes without the peer.
-    ServeAloneAfterTimeout,
 }
 
 /// `[[peer]]`.
@@ -144,8 +109,8 @@ pub struct PeerSection {
     /// loopback a Unix socket path (peers on this host, over shared memory).
     pub address: String,
     /// tcp | loopback | quic | rdma.
-    #[serde(default = "default_transport")]
-    pub transport: String,
+    #[serde(default)]
+    pub transport: TransportKind,
     /// Links per peer (1 to 64, default 1); frames go on the least busy one, in order.
     /// Only the dialing node's setting counts: a listener takes any number.
     pub lanes: Option<u32>,
@@ -170,10 +135,6 @@ pub struct PeerSection {
 
 fn default_peer_timeout_ms() -> u64 {
     5000
-}
-
-fn default_transport() -> String {
-    "tcp".to_string()
 }
 
 /// Where a disk's data lives.
@@ -204,7 +165,8 @@ pub struct CacheSection {
     /// the file's size, or be left out.
     pub size: Option<Size>,
     /// write-back (the default) | write-through | write-around | pass-through.
-    pub mode: Option<String>,
+    #[serde(default, deserialize_with = "values::cache_mode")]
+    pub mode: Option<CacheMode>,
     /// Sequential cutoff: a run of sequential writes this long (or one write this large)
     /// goes straight to the backing store. "0" turns it off; default 4 MiB.
     pub sequential_cutoff: Option<Size>,
@@ -221,31 +183,10 @@ pub const CACHE_BLOCK_SIZE: u32 = vsan_cache::format::CACHE_BLOCK;
 /// The smallest cache device: both superblocks and the smallest log.
 pub const MIN_CACHE_SIZE: u64 = vsan_cache::format::LOG_START + vsan_cache::format::MIN_LOG_LEN;
 
-/// The config word of a cache mode (`write-back`, ...).
-pub fn cache_mode_word(mode: CacheMode) -> &'static str {
-    match mode {
-        CacheMode::WriteBack => "write-back",
-        CacheMode::WriteThrough => "write-through",
-        CacheMode::WriteAround => "write-around",
-        CacheMode::PassThrough => "pass-through",
-    }
-}
-
 impl CacheSection {
     /// The mode (`mode`; write-back when not given).
-    pub fn cache_mode(&self) -> Result<CacheMode, String> {
-        let text = self.mode.as_deref().map_or("write-back", str::trim);
-        [
-            CacheMode::WriteBack,
-            CacheMode::WriteThrough,
-            CacheMode::WriteAround,
-            CacheMode::PassThrough,
-        ]
-        .into_iter()
-        .find(|m| cache_mode_word(*m) == text)
-        .ok_or_else(|| {
-            format!("{text:?} is not one of write-back, write-through, write-around, pass-through")
-        })
+    pub fn cache_mode(&self) -> CacheMode {
+        self.mode.unwrap_or(CacheMode::WriteBack)
     }
 
     /// The cache's settings from this section, with the defaults of
@@ -254,7 +195,7 @@ impl CacheSection {
     /// depends on whether the disk is mirrored, which the caller knows.
     pub fn settings(&self) -> Result<CacheConfig, (&'static str, String)> {
         let mut cfg = CacheConfig {
-            mode: Some(self.cache_mode().map_err(|m| ("mode", m))?),
+            mode: Some(self.cache_mode()),
             ..CacheConfig::default()
         };
         if let Some(Size(n)) = self.sequential_cutoff {
@@ -287,7 +228,7 @@ impl CacheSection {
                 ),
             ));
         }
-        cfg.check().map_err(|m| ("", m))?;
+        cfg.check().map_err(|e| ("", e.context().to_string()))?;
         Ok(cfg)
     }
 }
@@ -324,73 +265,21 @@ pub struct DiskSection {
     /// Resync speed: "dynamic" (the default: full speed while the application is idle,
     /// one chunk at a time while it has I/O in flight) or a fixed rate per second
     /// ("40MiB").
-    pub resync_rate: Option<String>,
+    pub resync_rate: Option<Rate>,
     /// Split-brain policy, the same on both nodes: "refuse" (the default),
     /// "discard-zero-changes", "discard-least-changes" or "discard-node(ID)".
-    pub split_brain: Option<String>,
-}
-
-/// A resync rate as the config gives it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Rate {
-    /// Yield to the application.
-    Dynamic,
-    /// Bytes per second.
-    Fixed(u64),
-}
-
-/// A split-brain policy as the config gives it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SplitBrain {
-    /// Refuse and report.
-    Refuse,
-    /// Discard a node without changes.
-    DiscardZeroChanges,
-    /// Discard the node with fewer changes.
-    DiscardLeastChanges,
-    /// Discard this node's data.
-    DiscardNode(u32),
+    pub split_brain: Option<SplitBrain>,
 }
 
 impl DiskSection {
-    /// The resync rate (`resync_rate`).
-    pub fn rate(&self) -> Result<Rate, String> {
-        match self.resync_rate.as_deref().map(str::trim) {
-            None | Some("dynamic") => Ok(Rate::Dynamic),
-            Some(text) => {
-                let per = text.strip_suffix("/s").unwrap_or(text);
-                parse_size::Config::new()
-                    .with_binary()
-                    .parse_size(per.trim())
-                    .ok()
-                    .filter(|n| *n > 0)
-                    .map(Rate::Fixed)
-                    .ok_or_else(|| {
-                        format!("{text:?} is neither \"dynamic\" nor a rate such as \"40MiB\"")
-                    })
-            }
-        }
+    /// The resync rate (`resync_rate`; dynamic when not given).
+    pub fn rate(&self) -> Rate {
+        self.resync_rate.unwrap_or(Rate::Dynamic)
     }
 
-    /// The split-brain policy (`split_brain`).
-    pub fn split_brain_policy(&self) -> Result<SplitBrain, String> {
-        let text = self.split_brain.as_deref().unwrap_or("refuse").trim();
-        match text {
-            "refuse" => Ok(SplitBrain::Refuse),
-            "discard-zero-changes" => Ok(SplitBrain::DiscardZeroChanges),
-            "discard-least-changes" => Ok(SplitBrain::DiscardLeastChanges),
-            _ => text
-                .strip_prefix("discard-node(")
-                .and_then(|r| r.strip_suffix(')'))
-                .and_then(|n| n.trim().parse().ok())
-                .map(SplitBrain::DiscardNode)
-                .ok_or_else(|| {
-                    format!(
-                        "{text:?} is not one of refuse, discard-zero-changes, \
-                         discard-least-changes, discard-node(ID)"
-                    )
-                }),
-        }
+    /// The split-brain policy (`split_brain`; refuse when not given).
+    pub fn split_brain_policy(&self) -> SplitBrain {
+        self.split_brain.unwrap_or(SplitBrain::Refuse)
     }
 }
 
@@ -406,39 +295,6 @@ pub struct Config {
     /// `[[disk]]`.
     #[serde(default)]
     pub disk: Vec<DiskSection>,
-}
-
-/// An NBD listening address.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub enum NbdAddr {
-    /// TCP.
-    Tcp(SocketAddr),
-    /// Unix socket path.
-    Unix(PathBuf),
-}
-
-impl fmt::Display for NbdAddr {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            NbdAddr::Tcp(a) => write!(f, "{a}"),
-            NbdAddr::Unix(p) => write!(f, "unix:{}", p.display()),
-        }
-    }
-}
-
-impl NbdAddr {
-    /// Parse "host:port" or "unix:/path".
-    pub fn parse(s: &str) -> Result<NbdAddr, String> {
-        if let Some(p) = s.strip_prefix("unix:") {
-            if p.is_empty() {
-                return Err("unix socket path is empty".into());
-            }
-            return Ok(NbdAddr::Unix(PathBuf::from(p)));
-        }
-        s.parse::<SocketAddr>().map(NbdAddr::Tcp).map_err(|_| {
-            format!("{s:?} is not an address; write \"127.0.0.1:10809\" or \"unix:/path/to.sock\"")
-        })
-    }
 }
 
 impl DiskSection {
@@ -499,19 +355,8 @@ impl Config {
                 )
             })?;
         }
-        match (self.node.quorum.as_deref(), &self.node.witness) {
-            (None | Some("io-error") | Some("suspend"), _) if self.node.witness.is_some() => {}
-            (None, None) => {}
-            (Some(_), None) => {
-                return Err(err("node.quorum", "a quorum policy needs node.witness"));
-            }
-            (Some(q), Some(_)) => {
-                return Err(err(
-                    "node.quorum",
-                    format!("{q:?} is not one of io-error, suspend"),
-                ));
-            }
-            (None, Some(_)) => {}
+        if self.node.quorum.is_some() && self.node.witness.is_none() {
+            return Err(err("node.quorum", "a quorum policy needs node.witness"));
         }
         if let Some(m) = &self.node.mgmt
             && m.parse::<SocketAddr>().is_err()
@@ -568,14 +413,15 @@ impl Config {
                 ));
             }
             let key = |k: &str| format!("peer[{i}].{k}");
-            let only = |k: &str, set: bool, transports: &[&str]| {
-                if set && !transports.contains(&p.transport.as_str()) {
+            let only = |k: &str, set: bool, transports: &[TransportKind]| {
+                if set && !transports.contains(&p.transport) {
+                    let words: Vec<&str> = transports.iter().map(|t| t.word()).collect();
                     Err(err(
                         key(k),
                         format!(
                             "not used by transport {:?} (only by {})",
-                            p.transport,
-                            transports.join(", ")
+                            p.transport.word(),
+                            words.join(", ")
                         ),
                     ))
                 } else {
@@ -593,35 +439,40 @@ impl Config {
             if p.secret.as_deref() == Some("") {
                 return Err(err(key("secret"), "empty"));
             }
-            only("secret", p.secret.is_some(), &["tcp", "rdma"])?;
-            only("secret_file", p.secret_file.is_some(), &["tcp", "rdma"])?;
-            only("cert", p.cert.is_some(), &["quic"])?;
-            only("key", p.key.is_some(), &["quic"])?;
-            only("peer_fingerprint", p.peer_fingerprint.is_some(), &["quic"])?;
-            only("peer_ca", p.peer_ca.is_some(), &["quic"])?;
-            only("busy_poll_us", p.busy_poll_us.is_some(), &["loopback"])?;
+            only(
+                "secret",
+                p.secret.is_some(),
+                &[TransportKind::Tcp, TransportKind::Rdma],
+            )?;
+            only(
+                "secret_file",
+                p.secret_file.is_some(),
+                &[TransportKind::Tcp, TransportKind::Rdma],
+            )?;
+            only("cert", p.cert.is_some(), &[TransportKind::Quic])?;
+            only("key", p.key.is_some(), &[TransportKind::Quic])?;
+            only(
+                "peer_fingerprint",
+                p.peer_fingerprint.is_some(),
+                &[TransportKind::Quic],
+            )?;
+            only("peer_ca", p.peer_ca.is_some(), &[TransportKind::Quic])?;
+            only(
+                "busy_poll_us",
+                p.busy_poll_us.is_some(),
+                &[TransportKind::Loopback],
+            )?;
             if p.cert.is_some() != p.key.is_some() {
                 return Err(err(key("cert"), "give both cert and key, or neither"));
             }
-            match p.transport.as_str() {
-                "tcp" | "rdma" | "quic" => {}
-                "loopback" => {
-                    if !p.address.starts_with('/') {
-                        return Err(err(
-                            key("address"),
-                            format!(
-                                "{:?}: a loopback address is the absolute path of a Unix socket",
-                                p.address
-                            ),
-                        ));
-                    }
-                }
-                other => {
-                    return Err(err(
-                        format!("peer[{i}].transport"),
-                        format!("{other:?} is not one of tcp, loopback, quic, rdma"),
-                    ));
-                }
+            if p.transport == TransportKind::Loopback && !p.address.starts_with('/') {
+                return Err(err(
+                    key("address"),
+                    format!(
+                        "{:?}: a loopback address is the absolute path of a Unix socket",
+                        p.address
+                    ),
+                ));
             }
         }
         let mut names = HashSet::new();
@@ -666,7 +517,7 @@ impl Config {
                 ));
             }
             if let Some(nbd) = &d.nbd {
-                NbdAddr::parse(nbd).map_err(|m| err(key("nbd"), m))?;
+                NbdAddr::parse(nbd).map_err(|e| err(key("nbd"), e.context()))?;
             }
             if let Some(peer) = d.peer {
                 if !peer_ids.contains(&peer) {
@@ -688,9 +539,6 @@ impl Config {
                     ));
                 }
             }
-            d.rate().map_err(|m| err(key("resync_rate"), m))?;
-            d.split_brain_policy()
-                .map_err(|m| err(key("split_brain"), m))?;
         }
         Ok(())
     }
@@ -759,147 +607,4 @@ impl Config {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    const GOOD: &str = r#"
-[node]
-id = 1
-data_dir = "/tmp/n1"
-
-[[disk]]
-name = "vol0"
-size = "1GiB"
-nbd = "127.0.0.1:10809"
-"#;
-
-    #[test]
-    fn parses_the_design_example_subset() {
-        let c = Config::parse(GOOD).unwrap();
-        assert_eq!(c.disk[0].size, Size(1 << 30));
-        assert_eq!(c.disk[0].backing, Backing::File);
-        assert_eq!(
-            c.disk[0].image_path(Path::new("/d")),
-            PathBuf::from("/d/vol0.img")
-        );
-    }
-
-    #[test]
-    fn cache_section_defaults_and_keys() {
-        let c = Config::parse(&format!("{GOOD}\n[disk.cache]\npath = \"/f/c\"\n")).unwrap();
-        let d = &c.disk[0];
-        assert_eq!(d.block_size(), 4096, "a cached disk has the cache's blocks");
-        let cache = d.cache.as_ref().unwrap();
-        assert_eq!(cache.size, None);
-        let s = cache.settings().unwrap();
-        let def = CacheConfig::default();
-        assert_eq!(s.mode, Some(CacheMode::WriteBack));
-        assert_eq!(
-            (s.sequential_cutoff, s.high_watermark, s.low_watermark),
-            (def.sequential_cutoff, def.high_watermark, def.low_watermark)
-        );
-        let c = Config::parse(&format!(
-            "{GOOD}\n[disk.cache]\npath = \"/f/c\"\nsize = \"256MiB\"\nmode = \"pass-through\"\n\
-             sequential_cutoff = \"0\"\nhigh_watermark = 90\nlow_watermark = 10\n"
-        ))
-        .unwrap();
-        let cache = c.disk[0].cache.as_ref().unwrap();
-        assert_eq!(cache.size, Some(Size(256 << 20)));
-        let s = cache.settings().unwrap();
-        assert_eq!(s.mode, Some(CacheMode::PassThrough));
-        assert_eq!(
-            (s.sequential_cutoff, s.high_watermark, s.low_watermark),
-            (0, 90, 10)
-        );
-        assert_eq!(Config::parse(GOOD).unwrap().disk[0].block_size(), 512);
-        let e = Config::parse(&format!(
-            "{GOOD}\n[disk.cache]\npath = \"/f/c\"\nsequential_cutoff = 100\n"
-        ))
-        .unwrap_err();
-        assert_eq!(e.key, "disk[0].cache.sequential_cutoff", "{e}");
-    }
-
-    #[test]
-    fn peer_transport_keys() {
-        let with_peer = |lines: &str| {
-            Config::parse(&format!(
-                "[node]\nid = 1\ndata_dir = \"/tmp/n1\"\n\n[[peer]]\nid = 2\n{lines}\n"
-            ))
-        };
-        let c = with_peer(
-            "address = \"127.0.0.1:7002\"\ntransport = \"tcp\"\nlanes = 4\nsecret = \"s\"",
-        )
-        .unwrap();
-        assert_eq!(c.peer[0].lanes, Some(4));
-        with_peer("address = \"/run/r.sock\"\ntransport = \"loopback\"\nbusy_poll_us = 20")
-            .unwrap();
-        with_peer("address = \"127.0.0.1:7002\"\ntransport = \"quic\"\npeer_fingerprint = \"x\"")
-            .unwrap();
-        for (lines, key, says) in [
-            (
-                "address = \"a:1\"\nlanes = 0",
-                "peer[0].lanes",
-                "must be 1 to 64",
-            ),
-            (
-                "address = \"a:1\"\nlanes = 65",
-                "peer[0].lanes",
-                "must be 1 to 64",
-            ),
-            (
-                "address = \"a:1\"\ntransport = \"quic\"\nsecret = \"s\"",
-                "peer[0].secret",
-                "not used by transport \"quic\"",
-            ),
-            (
-                "address = \"a:1\"\nsecret = \"\"",
-                "peer[0].secret",
-                "empty",
-            ),
-            (
-                "address = \"a:1\"\nsecret = \"s\"\nsecret_file = \"/f\"",
-                "peer[0].secret",
-                "not both",
-            ),
-            (
-                "address = \"a:1\"\ntransport = \"quic\"\ncert = \"/c\"",
-                "peer[0].cert",
-                "both cert and key",
-            ),
-            (
-                "address = \"a:1\"\nbusy_poll_us = 5",
-                "peer[0].busy_poll_us",
-                "only by loopback",
-            ),
-            (
-                "address = \"127.0.0.1:1\"\ntransport = \"loopback\"",
-                "peer[0].address",
-                "absolute path of a Unix socket",
-            ),
-            (
-                "address = \"a:1\"\ntransport = \"carrier-pigeon\"",
-                "peer[0].transport",
-                "not one of",
-            ),
-        ] {
-            let e = with_peer(lines).unwrap_err();
-            assert_eq!(e.key, key, "{lines}: {e}");
-            assert!(e.message.contains(says), "{lines}: {e}");
-        }
-    }
-
-    #[test]
-    fn errors_name_the_key() {
-        let e = Config::parse(&GOOD.replace("nbd =", "sizee = 1\nnbd =")).unwrap_err();
-        assert_eq!(e.key, "disk[0].sizee", "{e}");
-        assert!(e.message.contains("unknown field `sizee`"), "{e}");
-        let e = Config::parse(&GOOD.replace("\"1GiB\"", "\"12 parsecs\"")).unwrap_err();
-        assert_eq!(e.key, "disk[0].size", "{e}");
-        assert!(e.message.contains("\"12 parsecs\" is not a size"), "{e}");
-        let e = Config::parse(&GOOD.replace("\"1GiB\"", "1000")).unwrap_err();
-        assert_eq!(e.key, "disk[0].size", "{e}");
-        assert!(e.message.contains("multiple of the block size"), "{e}");
-        let e = Config::parse(&GOOD.replace("127.0.0.1:10809", "nowhere")).unwrap_err();
-        assert_eq!(e.key, "disk[0].nbd", "{e}");
-    }
-}
+mod tests;

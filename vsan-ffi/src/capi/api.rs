@@ -8,13 +8,13 @@ use tracing::warn;
 use vsan_cache::{CacheMode, CacheState};
 use vsan_replica::protocol::{Freshness, LinkState, Proof, SyncKind, SyncRole};
 
-use crate::handles::{self, DiskObj, NodeObj, vsan_disk, vsan_node};
-use crate::node::config::Config;
-use crate::node::{DRAIN_TIMEOUT, Node, StartError, StartOptions};
-use crate::{
+use super::handles::{self, DiskObj, NodeObj, vsan_disk, vsan_node};
+use super::{
     Failure, VSAN_ERR_INVALID_ARGUMENT, VSAN_ERR_IO, VSAN_ERR_NOT_FOUND, VSAN_ERR_NOT_SUPPORTED,
     VSAN_ERR_TIMEOUT, call, core_failure, not_in_callback, out_ptr,
 };
+use crate::node::config::Config;
+use crate::node::{DRAIN_TIMEOUT, Node, StartError, StartOptions};
 
 /// A disk's size and block sizes.
 #[repr(C)]
@@ -198,7 +198,7 @@ fn init_log() {
 /// A NUL-terminated UTF-8 argument.
 fn c_str<'a>(p: *const c_char, what: &str) -> Result<&'a str, Failure> {
     if p.is_null() {
-        return Err((crate::VSAN_ERR_NULL_POINTER, format!("{what} is NULL")));
+        return Err((super::VSAN_ERR_NULL_POINTER, format!("{what} is NULL")));
     }
     // SAFETY: the caller passes a NUL-terminated string (documented), not NULL (checked).
     unsafe { CStr::from_ptr(p) }.to_str().map_err(|e| {
@@ -224,7 +224,7 @@ fn open_node(config: Config, out: *mut *mut vsan_node) -> Result<(), Failure> {
         .block_on(Node::start(&config, StartOptions::default()))
         .map_err(|e| match e {
             StartError::Config(m) => (VSAN_ERR_INVALID_ARGUMENT, format!("config: {m}")),
-            StartError::AddressInUse(m) => (crate::VSAN_ERR_IN_USE, format!("config: {m}")),
+            StartError::AddressInUse(m) => (super::VSAN_ERR_IN_USE, format!("config: {m}")),
             StartError::Runtime(m) => (VSAN_ERR_IO, m),
         });
     let node = match node {
@@ -263,7 +263,7 @@ fn open_node(config: Config, out: *mut *mut vsan_node) -> Result<(), Failure> {
 pub unsafe extern "C" fn vsan_node_new_from_toml(
     toml: *const c_char,
     out: *mut *mut vsan_node,
-) -> crate::vsan_result {
+) -> super::vsan_result {
     call("vsan_node_new_from_toml", || {
         out_ptr(out, "out")?;
         not_in_callback()?;
@@ -286,7 +286,7 @@ pub unsafe extern "C" fn vsan_node_new_from_toml(
 pub unsafe extern "C" fn vsan_node_new_from_file(
     path: *const c_char,
     out: *mut *mut vsan_node,
-) -> crate::vsan_result {
+) -> super::vsan_result {
     call("vsan_node_new_from_file", || {
         out_ptr(out, "out")?;
         not_in_callback()?;
@@ -322,7 +322,7 @@ pub unsafe extern "C" fn vsan_node_new_from_file(
 /// `node` must be a handle from `vsan_node_new_*` (any other value is refused, but is
 /// read as a number).
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn vsan_node_free(node: *mut vsan_node) -> crate::vsan_result {
+pub unsafe extern "C" fn vsan_node_free(node: *mut vsan_node) -> super::vsan_result {
     call("vsan_node_free", || {
         handles::node(node)?;
         not_in_callback()?;
@@ -341,7 +341,7 @@ pub unsafe extern "C" fn vsan_node_free(node: *mut vsan_node) -> crate::vsan_res
             }
             _ => Ok(()),
         };
-        result.map_err(|m| (VSAN_ERR_IO, m))
+        result.map_err(|e| (VSAN_ERR_IO, e.context().to_string()))
     })
 }
 
@@ -363,7 +363,7 @@ pub unsafe extern "C" fn vsan_node_replication_address(
     buf: *mut c_char,
     len: usize,
     out_len: *mut usize,
-) -> crate::vsan_result {
+) -> super::vsan_result {
     call("vsan_node_replication_address", || {
         let n = handles::node(node)?;
         let _in = n.enter()?;
@@ -379,10 +379,10 @@ pub unsafe extern "C" fn vsan_node_replication_address(
                 )
             })?;
         // SAFETY: the caller's contract is `copy_string`'s.
-        match unsafe { crate::copy_string(&addr, buf, len, out_len) } {
-            crate::VSAN_OK => Ok(()),
-            crate::VSAN_ERR_BUFFER_TOO_SMALL => Err((
-                crate::VSAN_ERR_BUFFER_TOO_SMALL,
+        match unsafe { super::copy_string(&addr, buf, len, out_len) } {
+            super::VSAN_OK => Ok(()),
+            super::VSAN_ERR_BUFFER_TOO_SMALL => Err((
+                super::VSAN_ERR_BUFFER_TOO_SMALL,
                 format!("the address needs {} bytes with its NUL", addr.len() + 1),
             )),
             code => Err((code, "bad buffer arguments".into())),
@@ -404,7 +404,7 @@ pub unsafe extern "C" fn vsan_disk_open(
     node: *mut vsan_node,
     name: *const c_char,
     out: *mut *mut vsan_disk,
-) -> crate::vsan_result {
+) -> super::vsan_result {
     call("vsan_disk_open", || {
         out_ptr(out, "out")?;
         let n = handles::node(node)?;
@@ -437,7 +437,7 @@ pub unsafe extern "C" fn vsan_disk_open(
 /// # Safety
 /// `disk` must be a handle (checked).
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn vsan_disk_free(disk: *mut vsan_disk) -> crate::vsan_result {
+pub unsafe extern "C" fn vsan_disk_free(disk: *mut vsan_disk) -> super::vsan_result {
     call("vsan_disk_free", || {
         handles::unregister_disk(disk).map(drop)
     })
@@ -453,7 +453,7 @@ pub unsafe extern "C" fn vsan_disk_free(disk: *mut vsan_disk) -> crate::vsan_res
 pub unsafe extern "C" fn vsan_disk_geometry(
     disk: *mut vsan_disk,
     out: *mut vsan_geometry,
-) -> crate::vsan_result {
+) -> super::vsan_result {
     call("vsan_disk_geometry", || {
         out_ptr(out, "out")?;
         let d = handles::disk(disk)?;
@@ -470,7 +470,9 @@ pub unsafe extern "C" fn vsan_disk_geometry(
     })
 }
 
-fn link_code(s: LinkState) -> u32 {
+/// The `VSAN_LINK_*` code of a mirror's link state: the one numbering of link states,
+/// which the metrics endpoint's `vsan_mirror_link_state` gauge uses too.
+pub(crate) fn link_code(s: LinkState) -> u32 {
     match s {
         LinkState::Waiting => VSAN_LINK_WAITING,
         LinkState::Handshaking => VSAN_LINK_HANDSHAKING,
@@ -622,7 +624,7 @@ pub(crate) fn status_of(d: &DiskObj) -> vsan_disk_status {
 pub unsafe extern "C" fn vsan_disk_get_status(
     disk: *mut vsan_disk,
     out: *mut vsan_disk_status,
-) -> crate::vsan_result {
+) -> super::vsan_result {
     call("vsan_disk_get_status", || {
         out_ptr(out, "out")?;
         let d = handles::disk(disk)?;
@@ -655,7 +657,7 @@ fn mirror_of(d: &DiskObj) -> Result<&vsan_replica::MirroredDisk, Failure> {
 pub unsafe extern "C" fn vsan_disk_wait_synced(
     disk: *mut vsan_disk,
     timeout_ms: u32,
-) -> crate::vsan_result {
+) -> super::vsan_result {
     call("vsan_disk_wait_synced", || {
         let d = handles::disk(disk)?;
         not_in_callback()?;
@@ -681,7 +683,7 @@ pub unsafe extern "C" fn vsan_disk_wait_synced(
         match ready {
             Ok(true) => Ok(()),
             Ok(false) => Err((
-                crate::VSAN_ERR_CLOSED,
+                super::VSAN_ERR_CLOSED,
                 format!("disk {}: the mirror stopped", d.disk.name),
             )),
             Err(_) => {
@@ -714,7 +716,7 @@ pub unsafe extern "C" fn vsan_disk_wait_synced(
 /// # Safety
 /// `disk` must be a handle (checked).
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn vsan_disk_verify(disk: *mut vsan_disk) -> crate::vsan_result {
+pub unsafe extern "C" fn vsan_disk_verify(disk: *mut vsan_disk) -> super::vsan_result {
     call("vsan_disk_verify", || {
         let d = handles::disk(disk)?;
         not_in_callback()?;
@@ -733,7 +735,7 @@ pub unsafe extern "C" fn vsan_disk_verify(disk: *mut vsan_disk) -> crate::vsan_r
 /// # Safety
 /// `disk` must be a handle (checked).
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn vsan_disk_discard_my_data(disk: *mut vsan_disk) -> crate::vsan_result {
+pub unsafe extern "C" fn vsan_disk_discard_my_data(disk: *mut vsan_disk) -> super::vsan_result {
     call("vsan_disk_discard_my_data", || {
         let d = handles::disk(disk)?;
         let _in = d.node.enter()?;
@@ -754,7 +756,7 @@ pub unsafe extern "C" fn vsan_disk_discard_my_data(disk: *mut vsan_disk) -> crat
 /// # Safety
 /// `disk` must be a handle (checked).
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn vsan_disk_declare_current(disk: *mut vsan_disk) -> crate::vsan_result {
+pub unsafe extern "C" fn vsan_disk_declare_current(disk: *mut vsan_disk) -> super::vsan_result {
     call("vsan_disk_declare_current", || {
         let d = handles::disk(disk)?;
         not_in_callback()?;
@@ -781,7 +783,7 @@ pub unsafe extern "C" fn vsan_disk_declare_current(disk: *mut vsan_disk) -> crat
 pub unsafe extern "C" fn vsan_disk_set_cache_mode(
     disk: *mut vsan_disk,
     mode: u32,
-) -> crate::vsan_result {
+) -> super::vsan_result {
     call("vsan_disk_set_cache_mode", || {
         let d = handles::disk(disk)?;
         not_in_callback()?;

@@ -1,0 +1,142 @@
+//! The config parser's unit tests: what parses, and errors that name the key.
+
+use super::*;
+
+const GOOD: &str = r#"
+[node]
+id = 1
+data_dir = "/tmp/n1"
+
+[[disk]]
+name = "vol0"
+size = "1GiB"
+nbd = "127.0.0.1:10809"
+"#;
+
+#[test]
+fn parses_the_design_example_subset() {
+    let c = Config::parse(GOOD).unwrap();
+    assert_eq!(c.disk[0].size, Size(1 << 30));
+    assert_eq!(c.disk[0].backing, Backing::File);
+    assert_eq!(
+        c.disk[0].image_path(Path::new("/d")),
+        PathBuf::from("/d/vol0.img")
+    );
+}
+
+#[test]
+fn cache_section_defaults_and_keys() {
+    let c = Config::parse(&format!("{GOOD}\n[disk.cache]\npath = \"/f/c\"\n")).unwrap();
+    let d = &c.disk[0];
+    assert_eq!(d.block_size(), 4096, "a cached disk has the cache's blocks");
+    let cache = d.cache.as_ref().unwrap();
+    assert_eq!(cache.size, None);
+    let s = cache.settings().unwrap();
+    let def = CacheConfig::default();
+    assert_eq!(s.mode, Some(CacheMode::WriteBack));
+    assert_eq!(
+        (s.sequential_cutoff, s.high_watermark, s.low_watermark),
+        (def.sequential_cutoff, def.high_watermark, def.low_watermark)
+    );
+    let c = Config::parse(&format!(
+        "{GOOD}\n[disk.cache]\npath = \"/f/c\"\nsize = \"256MiB\"\nmode = \"pass-through\"\n\
+             sequential_cutoff = \"0\"\nhigh_watermark = 90\nlow_watermark = 10\n"
+    ))
+    .unwrap();
+    let cache = c.disk[0].cache.as_ref().unwrap();
+    assert_eq!(cache.size, Some(Size(256 << 20)));
+    let s = cache.settings().unwrap();
+    assert_eq!(s.mode, Some(CacheMode::PassThrough));
+    assert_eq!(
+        (s.sequential_cutoff, s.high_watermark, s.low_watermark),
+        (0, 90, 10)
+    );
+    assert_eq!(Config::parse(GOOD).unwrap().disk[0].block_size(), 512);
+    let e = Config::parse(&format!(
+        "{GOOD}\n[disk.cache]\npath = \"/f/c\"\nsequential_cutoff = 100\n"
+    ))
+    .unwrap_err();
+    assert_eq!(e.key, "disk[0].cache.sequential_cutoff", "{e}");
+}
+
+#[test]
+fn peer_transport_keys() {
+    let with_peer = |lines: &str| {
+        Config::parse(&format!(
+            "[node]\nid = 1\ndata_dir = \"/tmp/n1\"\n\n[[peer]]\nid = 2\n{lines}\n"
+        ))
+    };
+    let c =
+        with_peer("address = \"127.0.0.1:7002\"\ntransport = \"tcp\"\nlanes = 4\nsecret = \"s\"")
+            .unwrap();
+    assert_eq!(c.peer[0].lanes, Some(4));
+    with_peer("address = \"/run/r.sock\"\ntransport = \"loopback\"\nbusy_poll_us = 20").unwrap();
+    with_peer("address = \"127.0.0.1:7002\"\ntransport = \"quic\"\npeer_fingerprint = \"x\"")
+        .unwrap();
+    for (lines, key, says) in [
+        (
+            "address = \"a:1\"\nlanes = 0",
+            "peer[0].lanes",
+            "must be 1 to 64",
+        ),
+        (
+            "address = \"a:1\"\nlanes = 65",
+            "peer[0].lanes",
+            "must be 1 to 64",
+        ),
+        (
+            "address = \"a:1\"\ntransport = \"quic\"\nsecret = \"s\"",
+            "peer[0].secret",
+            "not used by transport \"quic\"",
+        ),
+        (
+            "address = \"a:1\"\nsecret = \"\"",
+            "peer[0].secret",
+            "empty",
+        ),
+        (
+            "address = \"a:1\"\nsecret = \"s\"\nsecret_file = \"/f\"",
+            "peer[0].secret",
+            "not both",
+        ),
+        (
+            "address = \"a:1\"\ntransport = \"quic\"\ncert = \"/c\"",
+            "peer[0].cert",
+            "both cert and key",
+        ),
+        (
+            "address = \"a:1\"\nbusy_poll_us = 5",
+            "peer[0].busy_poll_us",
+            "only by loopback",
+        ),
+        (
+            "address = \"127.0.0.1:1\"\ntransport = \"loopback\"",
+            "peer[0].address",
+            "absolute path of a Unix socket",
+        ),
+        (
+            "address = \"a:1\"\ntransport = \"carrier-pigeon\"",
+            "peer[0].transport",
+            "not one of",
+        ),
+    ] {
+        let e = with_peer(lines).unwrap_err();
+        assert_eq!(e.key, key, "{lines}: {e}");
+        assert!(e.message.contains(says), "{lines}: {e}");
+    }
+}
+
+#[test]
+fn errors_name_the_key() {
+    let e = Config::parse(&GOOD.replace("nbd =", "sizee = 1\nnbd =")).unwrap_err();
+    assert_eq!(e.key, "disk[0].sizee", "{e}");
+    assert!(e.message.contains("unknown field `sizee`"), "{e}");
+    let e = Config::parse(&GOOD.replace("\"1GiB\"", "\"12 parsecs\"")).unwrap_err();
+    assert_eq!(e.key, "disk[0].size", "{e}");
+    assert!(e.message.contains("\"12 parsecs\" is not a size"), "{e}");
+    let e = Config::parse(&GOOD.replace("\"1GiB\"", "1000")).unwrap_err();
+    assert_eq!(e.key, "disk[0].size", "{e}");
+    assert!(e.message.contains("multiple of the block size"), "{e}");
+    let e = Config::parse(&GOOD.replace("127.0.0.1:10809", "nowhere")).unwrap_err();
+    assert_eq!(e.key, "disk[0].nbd", "{e}");
+}

@@ -1,0 +1,475 @@
+//! `MirroredDisk`: the [`BlockDevice`] callers use, and the tokio task that drives the
+//! protocol [`Endpoint`] for it.
+//!
+//! ```text
+//!  callers ──(read/write/flush)──> MirroredDisk ──commands──> driver task
+//!                                                               │ owns Endpoint
+//!                 local replica (Arc<dyn BlockDevice>) <── LocalIo ┤
+//!                 peer link (LinkTx / LinkRx)          <── Message ┘
+//! ```
+//!
+//! The driver is the only place that awaits: it feeds the endpoint caller requests,
+//! peer messages, local I/O completions and timer expiries, and carries out what the
+//! endpoint asks (send, run local I/O, complete requests, drop the link).
+//!
+//! A local replica that loses acknowledged data (a write-back cache whose fast device
+//! failed) says so through [`BlockDevice::data_loss_count`], which it bumps before it
+//! completes anything that could show the loss. The driver looks at the count on every
+//! turn and before it hands the endpoint any local completion, and tells the endpoint
+//! first ([`Endpoint::local_data_lost`]): so no read of lost data reaches a caller.
+//!
+//! Files: this one holds the [`MirroredDisk`] handle and the commands it sends;
+//! `driver.rs` the task loop that owns the endpoint; `status.rs` what the handle reports
+//! ([`MirrorStatus`]); `witness_worker.rs` the task that asks the quorum witness.
+
+mod driver;
+mod status;
+mod witness_worker;
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime};
+
+use bytes::Bytes;
+use futures_util::stream::FuturesUnordered;
+use tokio::sync::{mpsc, oneshot, watch};
+use vsan_core::{BlockDevice, Error, ErrorKind, Geometry, IoFlags, IoFuture, Op, Result};
+
+use crate::meta::{self, Loaded, MetaParams};
+use crate::protocol::fastmap::FastMap;
+use crate::protocol::{Config, Endpoint, Message, ResyncRate, SyncProgress, WritePayload};
+use crate::transport::Link;
+use crate::witness::WitnessClient;
+
+use driver::Driver;
+pub use status::{MirrorStatus, SyncStart};
+use status::{Observed, status_of};
+use witness_worker::witness_worker;
+
+type Reply = oneshot::Sender<std::result::Result<Option<Bytes>, ErrorKind>>;
+
+enum Command {
+    Write {
+        offset: u64,
+        payload: WritePayload,
+        fua: bool,
+        done: Reply,
+    },
+    Flush {
+        done: Reply,
+    },
+    Read {
+        offset: u64,
+        len: u32,
+        done: Reply,
+    },
+    /// A new link to the peer; `first` is a message already read from it (the acceptor
+    /// reads the peer's Hello to learn which disk the link is for).
+    Attach {
+        link: Link,
+        first: Option<Message>,
+    },
+    /// Start an online verify from this node.
+    Verify {
+        done: oneshot::Sender<Result<()>>,
+    },
+    /// Discard this node's data in a split brain (on the next handshake).
+    DiscardMyData,
+    /// An operator's action; answers what was done or why not.
+    Operator {
+        action: Operator,
+        done: OperatorReply,
+    },
+    /// Finish in-flight I/O, mark the metadata clean, stop.
+    Close {
+        done: oneshot::Sender<Result<()>>,
+    },
+}
+
+/// Where the answer to an operator's action goes: what was done, or why not.
+type OperatorReply = oneshot::Sender<Result<String>>;
+
+/// What an operator may ask of a running mirror (see the [`MirroredDisk`] methods).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Operator {
+    CancelVerify,
+    SetRate(ResyncRate),
+    DetachLocal,
+    AttachLocal,
+    DeclareCurrent,
+}
+
+/// A replica: its data device, its metadata device, and the metadata read from it.
+pub struct Replica {
+    /// The data.
+    pub data: Arc<dyn BlockDevice>,
+    /// The metadata area (`data_dir/<name>.meta` on a node).
+    pub meta: Arc<dyn BlockDevice>,
+    /// What `meta::open` / `meta::create` read or wrote.
+    pub loaded: Loaded,
+}
+
+impl std::fmt::Debug for Replica {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Replica")
+            .field("superblock", &self.loaded.superblock)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Replica {
+    /// A replica over `data` with fresh metadata in memory (tests, demos): it forgets
+    /// everything when the process ends.
+    pub async fn with_memory_meta(cfg: &Config, data: Arc<dyn BlockDevice>) -> Result<Replica> {
+        let params = meta_params(cfg, meta::DEFAULT_CHUNK_SIZE);
+        let layout = meta::Layout::checked(cfg.size, params.chunk_size, cfg.block_size)?;
+        let dev: Arc<dyn BlockDevice> = Arc::new(vsan_core::MemDevice::new(Geometry::new(
+            layout.total_len(),
+            512,
+        )?));
+        let loaded = meta::create(dev.as_ref(), &params).await?;
+        Ok(Replica {
+            data,
+            meta: dev,
+            loaded,
+        })
+    }
+}
+
+/// The metadata parameters that belong to a mirror config.
+pub fn meta_params(cfg: &Config, chunk_size: u64) -> MetaParams {
+    MetaParams {
+        disk_id: cfg.disk_id,
+        disk_name: cfg.disk_name.clone(),
+        node_id: cfg.node_id,
+        peer_id: cfg.peer_id,
+        size: cfg.size,
+        block_size: cfg.block_size,
+        chunk_size,
+    }
+}
+
+/// A two-way synchronously mirrored disk (protocol C). Cheap to clone.
+#[derive(Clone)]
+pub struct MirroredDisk {
+    name: Arc<str>,
+    geometry: Geometry,
+    commands: mpsc::UnboundedSender<Command>,
+    status: watch::Receiver<MirrorStatus>,
+    progress: Arc<parking_lot::Mutex<Option<SyncProgress>>>,
+}
+
+impl std::fmt::Debug for MirroredDisk {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MirroredDisk")
+            .field("name", &self.name)
+            .field("geometry", &self.geometry)
+            .field("status", &*self.status.borrow())
+            .finish()
+    }
+}
+
+impl MirroredDisk {
+    /// Mirror `replica` with the peer described by `cfg`; spawns the driver on the
+    /// current tokio runtime. Requests are accepted at once, but nothing is served from
+    /// the replica until it is proven current ([`MirrorStatus::freshness`]): by the
+    /// handshake with the peer, the witness's grant (when `witness` is given and
+    /// `cfg.quorum` is set), [`MirroredDisk::declare_current`], or `cfg.startup`'s
+    /// policy once `cfg.connect_timeout` passes; a replica whose metadata says it went on
+    /// alone before it stopped serves at once.
+    pub fn start(
+        cfg: Config,
+        replica: Replica,
+        witness: Option<WitnessClient>,
+    ) -> Result<MirroredDisk> {
+        let local = replica.data;
+        let geometry = local.geometry();
+        if geometry.size() != cfg.size || geometry.block_size() != cfg.block_size {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                format!(
+                    "disk {}: local replica is {} bytes in {}-byte blocks, the mirror config says {} in {}",
+                    cfg.disk_name,
+                    geometry.size(),
+                    geometry.block_size(),
+                    cfg.size,
+                    cfg.block_size
+                ),
+            ));
+        }
+        let sb = &replica.loaded.superblock;
+        if sb.size != cfg.size || sb.disk_id != cfg.disk_id || sb.node_id != cfg.node_id {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                format!(
+                    "disk {}: the metadata describes another replica (disk {:?}, node {}, {} bytes)",
+                    cfg.disk_name, sb.disk_name, sb.node_id, sb.size
+                ),
+            ));
+        }
+        if cfg.quorum.is_some() && witness.is_none() {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                format!("disk {}: a quorum policy needs a witness", cfg.disk_name),
+            ));
+        }
+        let handle = tokio::runtime::Handle::try_current().map_err(|_| {
+            Error::new(
+                ErrorKind::NotSupported,
+                "MirroredDisk::start needs a tokio runtime",
+            )
+        })?;
+        let name: Arc<str> = cfg.disk_name.as_str().into();
+        #[cfg(feature = "failpoints")]
+        let points = crate::failpoints::Site::new(cfg.node_id, &replica.loaded.layout);
+        let (commands, rx) = mpsc::unbounded_channel();
+        let endpoint = Endpoint::new(cfg, replica.loaded, Instant::now());
+        // A replica that lost data before the mirror started is no more trusted than one
+        // that loses it later: the first turn sees the count above 0 and resyncs it.
+        let data_loss_base = 0;
+        let started = SystemTime::now();
+        let (status_tx, status) = watch::channel(status_of(
+            &endpoint,
+            Observed {
+                started,
+                ..Observed::default()
+            },
+        ));
+        let progress = Arc::new(parking_lot::Mutex::new(None));
+        let (quorum_tx, quorum_rx) = mpsc::unbounded_channel();
+        let witness_tx = witness.map(|w| {
+            let (tx, rx) = mpsc::unbounded_channel();
+            handle.spawn(witness_worker(w, name.to_string(), rx, quorum_tx.clone()));
+            tx
+        });
+        let driver = Driver {
+            name: Arc::clone(&name),
+            ep: endpoint,
+            local,
+            meta: replica.meta,
+            status: status_tx,
+            progress: Arc::clone(&progress),
+            witness: witness_tx,
+            quorum_tx,
+            closing: Vec::new(),
+            stale_events: VecDeque::new(),
+            operator_replies: Vec::new(),
+            last_progress_log: Instant::now(),
+            last_sync_start: None,
+            waiters: FastMap::default(),
+            tx: None,
+            rx: None,
+            link_transport: Arc::from(""),
+            sending: None,
+            backlog: VecDeque::new(),
+            running: FuturesUnordered::new(),
+            last_problem: None,
+            data_loss_base,
+            data_loss_seen: data_loss_base,
+            started,
+            #[cfg(feature = "failpoints")]
+            points,
+        };
+        handle.spawn(driver.run(rx, quorum_rx));
+        Ok(MirroredDisk {
+            name,
+            geometry,
+            commands,
+            status,
+            progress,
+        })
+    }
+
+    /// Where a running resync or verify stands (percent, bytes left, rate, ETA).
+    pub fn sync_progress(&self) -> Option<SyncProgress> {
+        *self.progress.lock()
+    }
+
+    /// Start an online verify from this node (it must be connected and in sync); chunks
+    /// that differ are repaired from this node. Watch [`MirrorStatus::last_sync`] for
+    /// the result.
+    pub async fn verify(&self) -> Result<()> {
+        let (done, rx) = oneshot::channel();
+        let _ = self.commands.send(Command::Verify { done });
+        match rx.await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(why)) => Err(why.context_prefix(format!("disk {}: cannot verify", self.name))),
+            Err(_) => Err(self.stopped()),
+        }
+    }
+
+    /// Resolve a split brain by discarding this node's changes: on the next connection
+    /// this replica becomes the sync target. Drops the current link so the handshake
+    /// runs again.
+    pub fn discard_my_data(&self) {
+        let _ = self.commands.send(Command::DiscardMyData);
+    }
+
+    async fn operate(&self, action: Operator) -> Result<String> {
+        let (done, rx) = oneshot::channel();
+        if self
+            .commands
+            .send(Command::Operator { action, done })
+            .is_err()
+        {
+            return Err(self.stopped());
+        }
+        match rx.await {
+            Ok(Ok(what)) => Ok(what),
+            Ok(Err(why)) => Err(why.context_prefix(format!("disk {}", self.name))),
+            Err(_) => Err(self.stopped()),
+        }
+    }
+
+    /// Stop the online verify this node runs (chunks it found different stay marked
+    /// and are copied at the next resync). Fails (`WrongState`, with the reason)
+    /// when no verify from this node runs.
+    pub async fn cancel_verify(&self) -> Result<String> {
+        self.operate(Operator::CancelVerify).await
+    }
+
+    /// Change the resync rate of this node's resyncs, effective at once.
+    pub async fn set_resync_rate(&self, rate: ResyncRate) -> Result<String> {
+        self.operate(Operator::SetRate(rate)).await
+    }
+
+    /// Detach the local replica on purpose (to replace its disk, say): I/O is served
+    /// through the peer. Needs the peer connected and no resync running.
+    pub async fn detach_local(&self) -> Result<String> {
+        self.operate(Operator::DetachLocal).await
+    }
+
+    /// Attach a detached local replica again: it is resynced in full from the peer by
+    /// checksum (it missed every write since it was detached), serving reads of chunks
+    /// not synced yet through the peer. Needs the peer connected.
+    pub async fn attach_local(&self) -> Result<String> {
+        self.operate(Operator::AttachLocal).await
+    }
+
+    /// The operator's word that this node's unproven replica is current: it serves
+    /// alone (degraded) until the peer connects, logged as a risk. Only for a node whose
+    /// peer is known to be behind (or gone for good): writes the peer acknowledged
+    /// alone are not here, and the replicas split. Refused when the replica is proven
+    /// already, is an unfinished sync target, or a handshake is deciding. With a witness
+    /// the quorum policy still decides whether it may serve alone.
+    pub async fn declare_current(&self) -> Result<String> {
+        self.operate(Operator::DeclareCurrent).await
+    }
+
+    /// Finish in-flight requests, flush, mark the metadata clean (so a restart does not
+    /// resync the activity log), and stop the driver.
+    pub async fn close(&self) -> Result<()> {
+        let (done, rx) = oneshot::channel();
+        if self.commands.send(Command::Close { done }).is_err() {
+            return Err(self.stopped());
+        }
+        rx.await.map_err(|_| self.stopped())?
+    }
+
+    fn stopped(&self) -> Error {
+        Error::new(
+            ErrorKind::Closed,
+            format!("disk {}: mirror driver has stopped", self.name),
+        )
+    }
+
+    /// The disk's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Hand the driver a link to the peer (replacing any link it has).
+    pub fn attach(&self, link: Link, first: Option<Message>) {
+        let _ = self.commands.send(Command::Attach { link, first });
+    }
+
+    /// The current status.
+    pub fn status(&self) -> MirrorStatus {
+        self.status.borrow().clone()
+    }
+
+    /// A receiver that sees every status change.
+    pub fn watch_status(&self) -> watch::Receiver<MirrorStatus> {
+        self.status.clone()
+    }
+
+    fn request(&self, make: impl FnOnce(Reply) -> Command) -> IoFuture<'_, Option<Bytes>> {
+        let (done, rx) = oneshot::channel();
+        let sent = self.commands.send(make(done));
+        let name = Arc::clone(&self.name);
+        Box::pin(async move {
+            if sent.is_err() {
+                return Err(Error::new(
+                    ErrorKind::Closed,
+                    format!("disk {name}: mirror driver has stopped"),
+                ));
+            }
+            match rx.await {
+                Ok(Ok(data)) => Ok(data),
+                Ok(Err(kind)) => Err(Error::new(
+                    kind,
+                    format!("disk {name}: mirrored I/O failed"),
+                )),
+                Err(_) => Err(Error::new(
+                    ErrorKind::Closed,
+                    format!("disk {name}: mirror driver has stopped"),
+                )),
+            }
+        })
+    }
+
+    fn write_payload(
+        &self,
+        op: Op,
+        offset: u64,
+        payload: WritePayload,
+        flags: IoFlags,
+    ) -> IoFuture<'_, ()> {
+        if let Err(e) = self.geometry.validate(op, offset, payload.len()) {
+            return Box::pin(std::future::ready(Err(e)));
+        }
+        let fua = flags.contains(IoFlags::FUA);
+        let fut = self.request(|done| Command::Write {
+            offset,
+            payload,
+            fua,
+            done,
+        });
+        Box::pin(async move { fut.await.map(drop) })
+    }
+}
+
+impl BlockDevice for MirroredDisk {
+    fn geometry(&self) -> Geometry {
+        self.geometry
+    }
+
+    fn read(&self, offset: u64, len: usize) -> IoFuture<'_, Bytes> {
+        if let Err(e) = self.geometry.validate(Op::Read, offset, len as u64) {
+            return Box::pin(std::future::ready(Err(e)));
+        }
+        let fut = self.request(|done| Command::Read {
+            offset,
+            len: len as u32,
+            done,
+        });
+        Box::pin(async move { fut.await.map(Option::unwrap_or_default) })
+    }
+
+    fn write(&self, offset: u64, data: Bytes, flags: IoFlags) -> IoFuture<'_, ()> {
+        self.write_payload(Op::Write, offset, WritePayload::Data(data), flags)
+    }
+
+    fn flush(&self) -> IoFuture<'_, ()> {
+        let fut = self.request(|done| Command::Flush { done });
+        Box::pin(async move { fut.await.map(drop) })
+    }
+
+    fn discard(&self, offset: u64, len: u64, flags: IoFlags) -> IoFuture<'_, ()> {
+        self.write_payload(Op::Discard, offset, WritePayload::Discard { len }, flags)
+    }
+
+    fn write_zeroes(&self, offset: u64, len: u64, flags: IoFlags) -> IoFuture<'_, ()> {
+        self.write_payload(Op::WriteZeroes, offset, WritePayload::Zeroes { len }, flags)
+    }
+}
