@@ -166,9 +166,9 @@ const REGRESSIONS: &[(u64, &str)] = &[
     (152, "fixed-write-failed-alone-acked-by-peer"),
     (1005, "fixed-resolver-acks-before-winner"),
     (1324, "fixed-peer-detached-not-announced"),
-    (1745, "fixed-flush-on-incomplete-copy"),
     (2698, "fixed-first-sync-target-stuck"),
     (3046, "fixed-detached-target-waits-forever"),
+    (15365, "fixed-flush-on-incomplete-copy"),
     (26478, "fixed-source-fails-as-resync-ends"),
     (28966, "fixed-resent-write-not-marked"),
 ];
