@@ -218,7 +218,7 @@ pub enum Event {
         reason: String,
     },
     /// The local replica lost data it had acknowledged (see
-    /// [`Endpoint::local_data_lost`]); `action` says, in words for the operator, what
+    /// [`Endpoint::local_data_lost`](super::Endpoint::local_data_lost)); `action` says, in words for the operator, what
     /// the endpoint did about it (a checksum resync from the peer, a detach, or I/O
     /// failing until the peer is back).
     LocalDataLost {
@@ -226,7 +226,7 @@ pub enum Event {
         action: String,
     },
     /// The peer is gone and a witness is configured: the driver must ask it for the
-    /// disk's grant and report with [`Endpoint::handle_quorum`].
+    /// disk's grant and report with [`Endpoint::handle_quorum`](super::Endpoint::handle_quorum).
     NeedQuorum,
     /// The replicas are in sync again: the driver releases the witness's grant.
     ReleaseQuorum,
