@@ -211,6 +211,34 @@ impl SyncRun {
         }
     }
 
+    /// Where the pass stands (`None` until the peer's bitmap arrived and the amount of
+    /// work is known).
+    fn progress(&self, now: Instant) -> Option<SyncProgress> {
+        if !self.got_peer_bitmap {
+            return None;
+        }
+        let elapsed = now.saturating_duration_since(self.started);
+        let secs = elapsed.as_secs_f64();
+        let rate = if secs > 0.0 {
+            (self.done_bytes as f64 / secs) as u64
+        } else {
+            0
+        };
+        let left = self.total_bytes.saturating_sub(self.done_bytes);
+        let eta = (rate > 0).then(|| Duration::from_secs_f64(left as f64 / rate as f64));
+        Some(SyncProgress {
+            role: self.role,
+            kind: self.kind,
+            total_bytes: self.total_bytes,
+            done_bytes: self.done_bytes,
+            transferred_bytes: self.transferred_bytes,
+            elapsed,
+            rate,
+            eta,
+            mismatches: self.mismatches,
+        })
+    }
+
     fn summary(&self, now: Instant, completed: bool) -> SyncSummary {
         SyncSummary {
             role: self.role,
@@ -239,27 +267,7 @@ impl Endpoint {
     /// Where the running resync or verify stands, if one runs.
     /// (`None` until both bitmaps are exchanged and the amount of work is known.)
     pub fn sync_progress(&self, now: Instant) -> Option<SyncProgress> {
-        let s = self.sync.as_ref().filter(|s| s.got_peer_bitmap)?;
-        let elapsed = now.saturating_duration_since(s.started);
-        let secs = elapsed.as_secs_f64();
-        let rate = if secs > 0.0 {
-            (s.done_bytes as f64 / secs) as u64
-        } else {
-            0
-        };
-        let left = s.total_bytes.saturating_sub(s.done_bytes);
-        let eta = (rate > 0).then(|| Duration::from_secs_f64(left as f64 / rate as f64));
-        Some(SyncProgress {
-            role: s.role,
-            kind: s.kind,
-            total_bytes: s.total_bytes,
-            done_bytes: s.done_bytes,
-            transferred_bytes: s.transferred_bytes,
-            elapsed,
-            rate,
-            eta,
-            mismatches: s.mismatches,
-        })
+        self.sync.as_ref().and_then(|s| s.progress(now))
     }
 
     /// How the last resync or verify ended.
