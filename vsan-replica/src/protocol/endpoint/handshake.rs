@@ -32,9 +32,6 @@ pub(super) struct Run {
     hello: OurHello,
     /// Whether the peer's Welcome arrived.
     peer: PeerWelcome,
-    /// Own writes wait (not started): the handshake started from degraded mode, and
-    /// generations must not move while the two sides compare them.
-    holds_writes: bool,
 }
 
 /// This node's Hello on the current link.
@@ -71,9 +68,11 @@ impl Endpoint {
         matches!(self.handshake, Handshake::Running(_))
     }
 
-    /// Whether own writes wait for the running handshake.
+    /// Whether own writes wait (not started) for the running handshake: one from
+    /// degraded mode, where generations must not move while the two sides compare them
+    /// (a node stays degraded until the handshake connects it or fails).
     pub(super) fn holds_writes(&self) -> bool {
-        matches!(&self.handshake, Handshake::Running(r) if r.holds_writes)
+        self.handshaking() && self.state == LinkState::Degraded
     }
 
     /// Whether the operator gave this replica's data up (see [`Self::discard_my_data`]).
@@ -104,14 +103,12 @@ impl Endpoint {
         self.transmit.clear();
         // From degraded mode, generations must not move while the two sides compare
         // them: new writes wait, and the Hello waits for writes already going on alone.
-        let holds_writes = self.state == LinkState::Degraded;
-        if !holds_writes {
+        if self.state != LinkState::Degraded {
             self.state = LinkState::Handshaking;
         }
         self.handshake = Handshake::Running(Run {
             hello: OurHello::Deferred { peer: None },
             peer: PeerWelcome::Awaited,
-            holds_writes,
         });
         self.maybe_send_hello(now);
     }
@@ -366,9 +363,9 @@ impl Endpoint {
                 "generations or marked chunks changed during the handshake; reconnecting".into(),
             );
         }
+        let held = self.holds_writes();
         let Handshake::Running(Run {
             hello: OurHello::Accepted { decision, .. },
-            holds_writes,
             ..
         }) = std::mem::replace(&mut self.handshake, Handshake::Idle)
         else {
@@ -421,7 +418,7 @@ impl Endpoint {
             Decision::Refuse(_) => {}
         }
         self.own_data = OwnData::Keep;
-        if holds_writes {
+        if held {
             self.start_ready(now);
         }
         // Writes held while the replica was unproven start now, in submission order.

@@ -71,8 +71,6 @@ pub(super) enum MetaWaiter {
 
 /// A batch of metadata writes for the driver.
 pub(super) struct Batch {
-    /// The generation it makes durable.
-    pub(super) mgen: u64,
     /// `(offset in the metadata area, bytes)`.
     pub(super) writes: Vec<(u64, Bytes)>,
     /// Flush the replica before writing.
@@ -508,11 +506,7 @@ impl Journal {
         self.dirty_al = false;
         self.flush_data = false;
         self.inflight = Some(mgen);
-        Some(Batch {
-            mgen,
-            writes,
-            flush_data,
-        })
+        Some(Batch { writes, flush_data })
     }
 
     /// The batch being written finished (`ok` false: it failed, and nothing will be
@@ -548,7 +542,6 @@ impl Endpoint {
             return;
         };
         let op = self.op_id(OpPurpose::Meta);
-        debug_assert!(batch.mgen > 0);
         self.local_io.push_back(LocalIo::Meta {
             op,
             writes: batch.writes,

@@ -102,6 +102,10 @@ pub struct Endpoint {
     // ----- the replica (journal.rs, failure.rs, freshness.rs, shutdown.rs) -----
     /// The metadata and its journal.
     journal: Journal,
+    /// The disk's geometry for checking the peer's requests (no size limit: the peer's
+    /// requests are as large as its callers'); `None` if the config's size and block
+    /// size make none, and then every peer request is refused.
+    peer_geometry: Option<Geometry>,
     /// Attached, detached, or detached with no complete copy anywhere.
     replica: Replica,
     /// Whether the replica is proven current.
@@ -182,9 +186,12 @@ impl Endpoint {
     /// no replica write is issued before that is durable.
     pub fn new(cfg: Config, loaded: Loaded, now: Instant) -> Endpoint {
         let journal = Journal::open(loaded, &cfg.disk_name, cfg.seed);
+        let bs = cfg.block_size.max(1);
+        let peer_geometry = Geometry::with_max_io(cfg.size, bs, u32::MAX / bs * bs).ok();
         let mut ep = Endpoint {
             cfg,
             journal,
+            peer_geometry,
             replica: Replica::Attached,
             fresh: FreshnessState::Unproven { timed_out: false },
             own_data: OwnData::Keep,
@@ -225,11 +232,18 @@ impl Endpoint {
     }
 
     /// Check a peer's read or write against the disk's geometry (a request that fails
-    /// it is a protocol violation). The peer splits nothing: its requests are as large as
-    /// its callers', so no size limit applies here.
+    /// it is a protocol violation).
     fn check_peer_request(&self, op: Op, offset: u64, len: u64) -> vsan_core::Result<()> {
-        let bs = self.cfg.block_size.max(1);
-        Geometry::with_max_io(self.cfg.size, bs, u32::MAX / bs * bs)?.validate(op, offset, len)
+        match &self.peer_geometry {
+            Some(g) => g.validate(op, offset, len),
+            None => Err(vsan_core::Error::new(
+                ErrorKind::InvalidArgument,
+                format!(
+                    "the disk's size {} and block size {} make no geometry",
+                    self.cfg.size, self.cfg.block_size
+                ),
+            )),
+        }
     }
 
     /// The link state.
