@@ -39,6 +39,7 @@ pub mod export;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod le;
+pub mod scsi;
 
 pub use device::{
     BlockDevice, FileDevice, FileOptions, Geometry, IoFlags, IoFuture, MemDevice, Op,

@@ -1,4 +1,5 @@
 //! Protocols that export a [`BlockDevice`](crate::BlockDevice) to clients outside the
 //! process.
 
+pub mod iscsi;
 pub mod nbd;
