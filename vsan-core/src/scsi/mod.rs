@@ -223,6 +223,11 @@ impl LogicalUnit {
         &self.device
     }
 
+    /// This node's target port.
+    pub fn port(&self) -> &TargetPort {
+        &self.config.port
+    }
+
     /// The identity.
     pub fn identity(&self) -> &LuIdentity {
         &self.config.identity

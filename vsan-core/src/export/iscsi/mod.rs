@@ -12,4 +12,6 @@ mod server;
 mod session;
 pub mod text;
 
-pub use server::{Chap, ChapPair, Server, ServerStats, SessionInfo, Target};
+pub use server::{
+    Chap, ChapPair, Server, ServerOptions, ServerStats, SessionInfo, Target, valid_iscsi_name,
+};
