@@ -5,6 +5,9 @@
 //! SKELETON: the API the node is written against; filled in by the iSCSI work.
 
 pub mod chap;
+#[cfg(feature = "test-utils")]
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod keys;
 pub mod login;
 pub mod pdu;
