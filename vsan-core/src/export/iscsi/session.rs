@@ -1,2 +1,1 @@
 //! (to be written)
-
