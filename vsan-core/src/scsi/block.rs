@@ -235,11 +235,11 @@ impl LogicalUnit {
         if flags >> 5 != 0 || flags & 0x10 != 0 {
             return Err(sense::INVALID_FIELD_IN_CDB.into()); // WRPROTECT, ANCHOR
         }
+        self.check_range(lba, blocks)?;
         if blocks == 0 || blocks > u64::from(MAX_WRITE_SAME_BLOCKS) {
             return Err(sense::INVALID_FIELD_IN_CDB.into()); // WSNZ
         }
         self.check_writable(mb)?;
-        self.check_range(lba, blocks)?;
         let unmap = flags & 0x08 != 0;
         let zero = ndob || data.iter().all(|&b| b == 0);
         if zero {

@@ -255,7 +255,20 @@ macro_rules! op_sa {
 }
 
 /// Every command this layer serves.
-pub static SUPPORTED: &[OpInfo] = &[
+pub static SUPPORTED: &[OpInfo] = SUPPORTED_LIST;
+
+/// Which opcodes [`SUPPORTED`] has, for the per-command check without a scan.
+static OPCODE_MAP: [bool; 256] = {
+    let mut map = [false; 256];
+    let mut i = 0;
+    while i < SUPPORTED_LIST.len() {
+        map[SUPPORTED_LIST[i].opcode as usize] = true;
+        i += 1;
+    }
+    map
+};
+
+const SUPPORTED_LIST: &[OpInfo] = &[
     op!(TEST_UNIT_READY, 0, 0, 0, 0, 0x07),
     op!(REQUEST_SENSE, 0x01, 0, 0, 0xFF, 0x07),
     op!(READ_6, 0x1F, 0xFF, 0xFF, 0xFF, 0x07),
@@ -595,7 +608,7 @@ fn is_supported(op: u8, c: &[u8]) -> bool {
             SA_REPORT_TPGS | SA_REPORT_OPCODES | SA_REPORT_TMFS
         ),
         // PR IN/OUT service actions are checked by the PR code (INVALID FIELD IN CDB).
-        _ => SUPPORTED.iter().any(|i| i.opcode == op),
+        _ => OPCODE_MAP[usize::from(op)],
     }
 }
 

@@ -14,9 +14,9 @@ pub const MAX_CAW_BLOCKS: u32 = 255;
 /// The largest UNMAP block descriptor count.
 pub const MAX_UNMAP_DESCRIPTORS: u32 = 256;
 /// The largest UNMAP / WRITE SAME range, in blocks.
-pub const MAX_UNMAP_BLOCKS: u32 = 1 << 22;
+pub const MAX_UNMAP_BLOCKS: u32 = 1 << 20;
 /// The largest WRITE SAME, in blocks.
-pub const MAX_WRITE_SAME_BLOCKS: u32 = 1 << 22;
+pub const MAX_WRITE_SAME_BLOCKS: u32 = 1 << 20;
 
 /// Everything INQUIRY reports.
 pub struct InquiryInput<'a> {

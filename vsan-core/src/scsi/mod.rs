@@ -525,13 +525,13 @@ impl LogicalUnit {
     /// implies and bumps [`NexusHandle::aborts`] of the other nexuses it aborts). The
     /// transport ends `nexus`'s own tasks itself.
     ///
-    /// | function | effect on the other nexuses |
+    /// | function | effect |
     /// |---|---|
     /// | ABORT TASK SET | none |
-    /// | CLEAR TASK SET | their tasks aborted |
-    /// | LOGICAL UNIT RESET | tasks aborted, UA 29/03, SCSI-2 reservation released |
-    /// | TARGET WARM RESET | tasks aborted, UA 29/02, SCSI-2 reservation released |
-    /// | TARGET COLD RESET | as warm, UA 29/01, mode pages to defaults, PR state without APTPL cleared |
+    /// | CLEAR TASK SET | the other nexuses' tasks aborted |
+    /// | LOGICAL UNIT RESET | others' tasks aborted, UA 29/03 on every nexus (the issuer's too), SCSI-2 reservation released |
+    /// | TARGET WARM RESET | as LU reset with UA 29/02 |
+    /// | TARGET COLD RESET | as LU reset with UA 29/01, mode pages to defaults, PR state without APTPL cleared |
     /// | CLEAR ACA | `NotSupported` (no ACA is offered) |
     pub fn task_management(&self, nexus: &NexusHandle, function: TaskFunction) -> Result<()> {
         let me = nexus.state.id;
@@ -554,6 +554,11 @@ impl LogicalUnit {
             self.pr.write().power_on();
         }
         self.update_reserved();
+        // The reset unit attention goes to every nexus, the issuer's too (SAM-3 6.2;
+        // libiscsi's MultipathIO.Reset looks for it on every path).
+        if let Some(s) = ua {
+            nexus.state.push_ua(s);
+        }
         for n in self.others(me) {
             if let Some(s) = ua {
                 n.push_ua(s);

@@ -94,6 +94,7 @@ fn page(code: u8, bits: ModeBits, changeable: bool) -> Vec<u8> {
                 p[3] = 0x10; // QAM 1: unrestricted reordering; QERR 0
                 p[4] = if bits.swp() { 0x08 } else { 0 };
                 p[5] = if bits.tas() { 0x40 } else { 0 };
+                p[8..10].copy_from_slice(&[0xFF, 0xFF]); // busy timeout: unlimited
             }
             p
         }

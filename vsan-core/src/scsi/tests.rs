@@ -849,8 +849,10 @@ async fn reserve6_conflicts_and_is_released_by_reset_and_logout() {
         Status::ReservationConflict
     );
     lu.task_management(&b, TaskFunction::LunReset).unwrap();
-    let r = run(&lu, &a, &rw10(READ_10, 0, 1), &[]).await;
-    assert_eq!(sense_of(&r), (6, 0x29, 0x03));
+    for h in [&a, &b] {
+        let r = run(&lu, h, &rw10(READ_10, 0, 1), &[]).await;
+        assert_eq!(sense_of(&r), (6, 0x29, 0x03));
+    }
     good(&run(&lu, &b, &rw10(READ_10, 0, 1), &[]).await);
     good(&run(&lu, &a, &[RESERVE_6, 0, 0, 0, 0, 0], &[]).await);
     drop(a);
@@ -1305,5 +1307,58 @@ async fn random_cdbs_never_panic() {
         if r.status == Status::CheckCondition {
             assert!(r.sense.len() >= 8);
         }
+    }
+}
+
+#[test]
+fn random_pr_operations_keep_the_state_consistent() {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(20);
+    let nexuses: Vec<Nexus> = (0..4).map(|i| nexus(&format!("n{i}"))).collect();
+    let actions = [
+        pr::PrAction::Register,
+        pr::PrAction::Reserve,
+        pr::PrAction::Release,
+        pr::PrAction::Clear,
+        pr::PrAction::Preempt,
+        pr::PrAction::PreemptAndAbort,
+        pr::PrAction::RegisterAndIgnore,
+    ];
+    let mut st = PrState::new();
+    for _ in 0..20000 {
+        let from = &nexuses[rng.random_range(0..nexuses.len())];
+        let op = pr::PrOut {
+            action: actions[rng.random_range(0..actions.len())],
+            kind: rng.random_range(0..10),
+            scope: u8::from(rng.random_bool(0.05)),
+            key: rng.random_range(0..4),
+            sa_key: rng.random_range(0..4),
+            spec_i_pt: false,
+            all_tg_pt: rng.random_bool(0.1),
+            aptpl: rng.random_bool(0.5),
+            transport_ids: vec![],
+        };
+        let before = st.clone();
+        match st.apply(from, &op, true) {
+            Ok(fx) => {
+                if !fx.changed {
+                    assert_eq!(st.registrations, before.registrations);
+                }
+            }
+            Err(_) => assert_eq!(st, before, "a failed operation changed the state"),
+        }
+        // Invariants: a single-holder reservation names a registration; nexuses are
+        // registered at most once; the encoding round-trips.
+        if let Some(res) = st.reservation {
+            if !res.kind.all_registrants() {
+                assert!(st.registrations.iter().any(|r| r.id == res.holder));
+            } else {
+                assert!(!st.registrations.is_empty());
+            }
+        }
+        for n in &nexuses {
+            assert!(st.registrations.iter().filter(|r| r.matches(n)).count() <= 1);
+        }
+        assert_eq!(PrState::decode(&st.encode()).unwrap(), st);
     }
 }
