@@ -240,9 +240,11 @@ impl LogicalUnit {
             return Err(sense::INVALID_FIELD_IN_CDB.into()); // WSNZ
         }
         self.check_writable(mb)?;
+        // UNMAP deallocates whatever the pattern (what libiscsi's UnmapUntilEnd expects:
+        // it sends 0xFF blocks with UNMAP and reads zeros back under LBPRZ).
         let unmap = flags & 0x08 != 0;
         let zero = ndob || data.iter().all(|&b| b == 0);
-        if zero {
+        if unmap || zero {
             if unmap {
                 self.deallocate(lba, blocks).await?;
             } else {

@@ -456,6 +456,13 @@ async fn write_same_patterns_zeroes_and_unmap() {
     good(&run(&lu, &h, &c, &pattern(1, 0)).await);
     let r = run(&lu, &h, &rw16(READ_16, 10, 5), &[]).await;
     assert!(r.data.iter().all(|&b| b == 0));
+    // UNMAP deallocates even when the pattern is not zeros.
+    good(&run(&lu, &h, &rw10(WRITE_10, 30, 2), &pattern(2, 0xFF)).await);
+    let mut c = rw10(WRITE_SAME_10, 30, 2);
+    c[1] = 0x08;
+    good(&run(&lu, &h, &c, &pattern(1, 0xFF)).await);
+    let r = run(&lu, &h, &rw10(READ_10, 30, 2), &[]).await;
+    assert!(r.data.iter().all(|&b| b == 0));
     // NDOB: no data.
     let mut c = rw16(WRITE_SAME_16, 20, 3);
     c[1] = 0x09;
