@@ -67,7 +67,8 @@ fn access_class(op: u8) -> AccessClass {
     }
 }
 
-/// Commands served whatever the ALUA state and under another nexus's SCSI-2 reservation.
+/// Commands served whatever the ALUA state and under another nexus's SCSI-2 reservation
+/// (MAINTENANCE IN: REPORT TARGET PORT GROUPS must work on a transitioning port).
 fn always_served(op: u8) -> bool {
     matches!(op, INQUIRY | REPORT_LUNS | REQUEST_SENSE | MAINTENANCE_IN)
 }
@@ -82,10 +83,14 @@ impl LogicalUnit {
             Err(s) => return s.response(d),
         };
         let op = cdb[0];
-        if !always_served(op) {
+        // SPC-4 5.14: INQUIRY, REPORT LUNS and REQUEST SENSE neither report nor clear a
+        // unit attention.
+        if !matches!(op, INQUIRY | REPORT_LUNS | REQUEST_SENSE) {
             if let Some(ua) = nexus.pop_ua() {
                 return ua.response(d);
             }
+        }
+        if !always_served(op) {
             match self.own_alua() {
                 AluaState::ActiveOptimized | AluaState::ActiveNonOptimized => {}
                 AluaState::Transitioning => return sense::NOT_READY_TRANSITION.response(d),
@@ -299,6 +304,20 @@ impl LogicalUnit {
             }
         }
         Ok(good())
+    }
+
+    /// Replace the persistent reservation state with `state` (one a peer or a resync
+    /// brings: issue 20), saved to the state file first. Ordered with PERSISTENT
+    /// RESERVE OUT commands; unit attentions for what changed are the caller's to
+    /// raise.
+    pub async fn install_pr_state(&self, state: super::PrState) -> crate::error::Result<()> {
+        let _serial = self.pr_out.lock().await;
+        self.persist(&state)
+            .await
+            .map_err(|e| crate::error::Error::io("save SCSI state file", e))?;
+        *self.pr.write() = state;
+        self.update_reserved();
+        Ok(())
     }
 
     /// Write the state file: a temporary file, fsync, rename over, fsync the directory.

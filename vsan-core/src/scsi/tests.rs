@@ -1369,3 +1369,40 @@ fn random_pr_operations_keep_the_state_consistent() {
         assert_eq!(PrState::decode(&st.encode()).unwrap(), st);
     }
 }
+
+#[tokio::test]
+async fn an_installed_pr_state_is_enforced_and_reported() {
+    let lu = lu();
+    let a = attach(&lu, "a").await;
+    let b = attach(&lu, "b").await;
+    // Build the state another node would have replicated: a holds WE.
+    let mut st = PrState::new();
+    let reg = |key| pr::PrOut {
+        action: pr::PrAction::Register,
+        kind: 0,
+        scope: 0,
+        key: 0,
+        sa_key: key,
+        spec_i_pt: false,
+        all_tg_pt: false,
+        aptpl: false,
+        transport_ids: vec![],
+    };
+    st.apply(a.nexus(), &reg(0xA), false).unwrap();
+    let mut res = reg(0);
+    res.action = pr::PrAction::Reserve;
+    res.key = 0xA;
+    res.kind = 1;
+    st.apply(a.nexus(), &res, false).unwrap();
+    lu.install_pr_state(st.clone()).await.unwrap();
+    assert_eq!(lu.pr_state(), st);
+    assert_eq!(be64(&prin(&lu, &b, 0).await, 8), 0xA);
+    let w = pattern(1, 1);
+    assert_eq!(
+        run(&lu, &b, &rw10(WRITE_10, 0, 1), &w).await.status,
+        Status::ReservationConflict
+    );
+    good(&run(&lu, &a, &rw10(WRITE_10, 0, 1), &w).await);
+    lu.install_pr_state(PrState::new()).await.unwrap();
+    good(&run(&lu, &b, &rw10(WRITE_10, 0, 1), &w).await);
+}
