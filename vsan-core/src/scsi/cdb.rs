@@ -99,6 +99,9 @@ pub const WRITE_VERIFY_12: u8 = 0xAE;
 /// VERIFY(12).
 pub const VERIFY_12: u8 = 0xAF;
 
+/// The longest PERSISTENT RESERVE OUT parameter list accepted.
+pub const MAX_PR_OUT_PARAM: u32 = 64 << 10;
+
 /// Byte `i` of the CDB, 0 past its end.
 #[inline]
 pub fn u8_at(c: &[u8], i: usize) -> u8 {
@@ -220,6 +223,9 @@ pub fn direction(c: &[u8], g: &Geometry) -> Result<Direction, Sense> {
         UNMAP => Direction::Out(u32::from(be16(c, 7))),
         MODE_SELECT_6 => Direction::Out(u32::from(u8_at(c, 4))),
         MODE_SELECT_10 => Direction::Out(u32::from(be16(c, 7))),
+        // A parameter list past any registration we could hold (24 bytes, the TransportID
+        // list of SPEC_I_PT) is refused before any data is collected.
+        PR_OUT if be32(c, 5) > MAX_PR_OUT_PARAM => return Err(sense::PARAM_LIST_LENGTH),
         PR_OUT => Direction::Out(be32(c, 5)),
         PR_IN => Direction::In(u32::from(be16(c, 7))),
         INQUIRY => Direction::In(u32::from(be16(c, 3))),
@@ -663,6 +669,10 @@ mod tests {
         ws[1] = 1;
         assert_eq!(direction(&ws, &g()), Ok(Direction::None));
         assert_eq!(direction(&[0xFF; 16], &g()), Err(sense::INVALID_OPCODE));
+        let mut pr = [0u8; 10];
+        pr[0] = PR_OUT;
+        pr[5] = 0xFF;
+        assert_eq!(direction(&pr, &g()), Err(sense::PARAM_LIST_LENGTH));
         assert_eq!(direction(&[], &g()), Err(sense::INVALID_OPCODE));
         assert_eq!(
             direction(&[READ_10, 0], &g()),

@@ -1406,3 +1406,30 @@ async fn an_installed_pr_state_is_enforced_and_reported() {
     lu.install_pr_state(PrState::new()).await.unwrap();
     good(&run(&lu, &b, &rw10(WRITE_10, 0, 1), &w).await);
 }
+
+#[tokio::test]
+async fn device_errors_become_sense() {
+    use crate::device::{FaultConfig, FaultyDevice, OpKind};
+    let dev = Arc::new(FaultyDevice::new(MemDevice::new(
+        Geometry::with_max_io(BLOCKS * u64::from(BS), BS, 64 << 10).unwrap(),
+    )));
+    let lu = LogicalUnit::new(dev.clone(), config(None)).unwrap();
+    let h = attach(&lu, "a").await;
+    for (kind, op, want) in [
+        (ErrorKind::Io, OpKind::Write, (3, 0x0C, 0)),
+        (ErrorKind::Io, OpKind::Read, (3, 0x11, 0)),
+        (ErrorKind::NoSpace, OpKind::Write, (7, 0x27, 0x07)),
+        (ErrorKind::ReadOnly, OpKind::Write, (7, 0x27, 0)),
+        (ErrorKind::NoQuorum, OpKind::Read, (2, 0x04, 0x0C)),
+        (ErrorKind::WrongState, OpKind::Write, (2, 0x04, 0x0A)),
+        (ErrorKind::Timeout, OpKind::Read, (0x0B, 0x08, 0x01)),
+    ] {
+        dev.set_faults(FaultConfig::new().ops(&[op]).kind(kind));
+        let r = match op {
+            OpKind::Read => run(&lu, &h, &rw10(READ_10, 0, 1), &[]).await,
+            _ => run(&lu, &h, &rw10(WRITE_10, 0, 1), &pattern(1, 1)).await,
+        };
+        assert_eq!(sense_of(&r), want, "{kind:?}");
+        dev.clear_faults();
+    }
+}
