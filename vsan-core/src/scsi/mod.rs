@@ -5,16 +5,48 @@
 //! [`LogicalUnit::attach`], asks [`LogicalUnit::inspect`] how much data a CDB moves,
 //! collects the data-out, and runs [`LogicalUnit::execute`].
 //!
-//! SKELETON: the API the iSCSI target and the node are written against; the bodies are
-//! filled in by the SCSI work.
+//! ```text
+//!  transport (iSCSI)  --inspect(cdb)-->  Direction (how much data to collect)
+//!                     --execute(nexus, Command)-->  Response (status, sense, data)
+//!        LogicalUnit
+//!          |- cdb.rs      opcodes, total field readers, data directions
+//!          |- exec.rs     dispatch: unit attentions, ALUA, reservations, SPC commands
+//!          |- block.rs    SBC commands: READ/WRITE/VERIFY/UNMAP/WRITE SAME/CAW
+//!          |- inquiry.rs  standard INQUIRY and VPD pages
+//!          |- mode.rs     mode pages (WCE, D_SENSE, SWP, TAS) in one atomic byte
+//!          |- pr.rs       PrState: persistent reservations as a pure, encodable value
+//!          |- lock.rs     the stripe lock that makes COMPARE AND WRITE atomic
+//!          `- sense.rs    sense data and the device error mapping
+//! ```
+//!
+//! The I/O path (READ/WRITE) allocates nothing beyond the data `Bytes`: pending unit
+//! attentions and reservations are each one atomic flag test when there are none, and
+//! writes take one stripe of the COMPARE AND WRITE lock shared.
 
+use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 
 use bytes::Bytes;
+use parking_lot::{Mutex, RwLock};
 
-use crate::device::BlockDevice;
-use crate::error::Result;
+use crate::device::{BlockDevice, Geometry};
+use crate::error::{Error, ErrorKind, Result};
+
+mod block;
+pub mod cdb;
+mod exec;
+mod inquiry;
+mod lock;
+mod mode;
+pub mod pr;
+pub mod sense;
+#[cfg(test)]
+mod tests;
+
+pub use pr::{PrState, PrType, Registration, Reservation};
+pub use sense::{Sense, SenseKey};
 
 /// The identity of a logical unit, the same on every node that serves the same disk.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -36,10 +68,16 @@ impl LuIdentity {
     /// The identity of the disk known by `disk_id` (a name or id string that is the same
     /// on every node): a hash of it gives `id` and `serial`.
     pub fn from_disk_id(disk_id: &str) -> LuIdentity {
-        let _ = disk_id;
+        use sha2::Digest;
+        let h = sha2::Sha256::digest(disk_id.as_bytes());
+        let mut id = [0u8; 16];
+        for (d, s) in id.iter_mut().zip(h.iter()) {
+            *d = *s;
+        }
+        let serial = id[..8].iter().map(|b| format!("{b:02x}")).collect();
         LuIdentity {
-            id: [0; 16],
-            serial: String::new(),
+            id,
+            serial,
             vendor: "VSAN".into(),
             product: "vsan disk".into(),
             revision: "0001".into(),
@@ -164,6 +202,106 @@ pub enum TaskFunction {
 pub struct LogicalUnit {
     device: Arc<dyn BlockDevice>,
     config: LuConfig,
+    geometry: Geometry,
+    mode: mode::ModeState,
+    nexuses: Mutex<Vec<Arc<NexusState>>>,
+    next_nexus: AtomicU64,
+    /// Set while a persistent or SCSI-2 reservation exists: the I/O path tests only this.
+    reserved: AtomicBool,
+    pr: RwLock<PrState>,
+    /// Serialises PERSISTENT RESERVE OUT (apply, persist, publish).
+    pr_out: tokio::sync::Mutex<()>,
+    /// The nexus holding a SCSI-2 reservation.
+    scsi2: Mutex<Option<u64>>,
+    locks: lock::StripeLock,
+    groups: RwLock<Vec<PortGroup>>,
+    /// This node's group's [`AluaState`], for the per-command check.
+    own_state: AtomicU8,
+}
+
+/// An asymmetric access state (SPC-4 5.16.2).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum AluaState {
+    /// Active/optimized.
+    ActiveOptimized = 0x0,
+    /// Active/non-optimized.
+    ActiveNonOptimized = 0x1,
+    /// Standby: commands that access the medium get NOT READY 04/0B.
+    Standby = 0x2,
+    /// Unavailable: NOT READY 04/0C.
+    Unavailable = 0x3,
+    /// Transitioning: NOT READY 04/0A (retry).
+    Transitioning = 0xF,
+}
+
+impl AluaState {
+    fn from_u8(v: u8) -> AluaState {
+        match v {
+            0x0 => AluaState::ActiveOptimized,
+            0x1 => AluaState::ActiveNonOptimized,
+            0x2 => AluaState::Standby,
+            0x3 => AluaState::Unavailable,
+            _ => AluaState::Transitioning,
+        }
+    }
+}
+
+/// A target port group as REPORT TARGET PORT GROUPS reports it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PortGroup {
+    /// The target port group id.
+    pub id: u16,
+    /// Its state.
+    pub state: AluaState,
+    /// The relative target port ids in it.
+    pub relative_ports: Vec<u16>,
+}
+
+/// The per-nexus state the LU keeps: unit attentions and the abort counter.
+#[derive(Debug)]
+struct NexusState {
+    id: u64,
+    nexus: Nexus,
+    ua: Mutex<VecDeque<Sense>>,
+    ua_pending: AtomicBool,
+    aborts: tokio::sync::watch::Sender<Aborts>,
+}
+
+/// At most this many unit attentions queue per nexus; older ones are dropped first.
+const MAX_UA: usize = 16;
+
+impl NexusState {
+    fn push_ua(&self, s: Sense) {
+        let mut q = self.ua.lock();
+        if q.contains(&s) {
+            return;
+        }
+        if q.len() >= MAX_UA {
+            q.pop_front();
+        }
+        q.push_back(s);
+        self.ua_pending.store(true, Ordering::Release);
+    }
+
+    fn pop_ua(&self) -> Option<Sense> {
+        if !self.ua_pending.load(Ordering::Acquire) {
+            return None;
+        }
+        let mut q = self.ua.lock();
+        let s = q.pop_front();
+        if q.is_empty() {
+            self.ua_pending.store(false, Ordering::Release);
+        }
+        s
+    }
+
+    fn bump_aborts(&self, tas: bool) {
+        self.aborts.send_modify(|a| {
+            a.count += 1;
+            a.tas = tas;
+        });
+    }
 }
 
 impl std::fmt::Debug for LogicalUnit {
@@ -180,6 +318,13 @@ impl std::fmt::Debug for LogicalUnit {
 pub struct NexusHandle {
     lu: Arc<LogicalUnit>,
     nexus: Nexus,
+    state: Arc<NexusState>,
+}
+
+impl Drop for NexusHandle {
+    fn drop(&mut self) {
+        self.lu.detach(self.state.id);
+    }
 }
 
 impl NexusHandle {
@@ -198,7 +343,12 @@ impl NexusHandle {
     /// ends every task of the nexus that was running when the value changed, without a
     /// response (or with TASK ABORTED where TAS says so, see [`Aborts::tas`]).
     pub fn aborts(&self) -> tokio::sync::watch::Receiver<Aborts> {
-        tokio::sync::watch::channel(Aborts::default()).1
+        self.state.aborts.subscribe()
+    }
+
+    /// Queue a unit attention for this nexus (the transport's own conditions).
+    pub fn raise_unit_attention(&self, sense: Sense) {
+        self.state.push_ua(sense);
     }
 }
 
@@ -213,9 +363,54 @@ pub struct Aborts {
 }
 
 impl LogicalUnit {
-    /// A logical unit over `device`; loads the state file when there is one.
+    /// A logical unit over `device`; loads the state file when there is one (a file
+    /// that does not decode is an [`ErrorKind::Corrupt`] error).
     pub fn new(device: Arc<dyn BlockDevice>, config: LuConfig) -> Result<Arc<LogicalUnit>> {
-        Ok(Arc::new(LogicalUnit { device, config }))
+        let mut pr = PrState::new();
+        if let Some(path) = &config.state_file {
+            match std::fs::read(path) {
+                Ok(bytes) => {
+                    pr = PrState::decode(&bytes).map_err(|e| {
+                        Error::with_source(
+                            ErrorKind::Corrupt,
+                            format!("SCSI state file {}", path.display()),
+                            e,
+                        )
+                    })?;
+                    // A power on: only APTPL state survives it.
+                    pr.power_on();
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    return Err(Error::io(
+                        format!("read SCSI state file {}", path.display()),
+                        e,
+                    ));
+                }
+            }
+        }
+        let geometry = device.geometry();
+        let groups = vec![PortGroup {
+            id: config.port.group,
+            state: AluaState::ActiveOptimized,
+            relative_ports: vec![config.port.relative_id],
+        }];
+        let reserved = pr.reservation.is_some();
+        Ok(Arc::new(LogicalUnit {
+            device,
+            geometry,
+            mode: mode::ModeState::default(),
+            nexuses: Mutex::new(Vec::new()),
+            next_nexus: AtomicU64::new(1),
+            reserved: AtomicBool::new(reserved),
+            pr: RwLock::new(pr),
+            pr_out: tokio::sync::Mutex::new(()),
+            scsi2: Mutex::new(None),
+            locks: lock::StripeLock::default(),
+            groups: RwLock::new(groups),
+            own_state: AtomicU8::new(AluaState::ActiveOptimized as u8),
+            config,
+        }))
     }
 
     /// The device.
@@ -233,38 +428,150 @@ impl LogicalUnit {
         &self.config.identity
     }
 
+    /// The configuration.
+    pub fn config(&self) -> &LuConfig {
+        &self.config
+    }
+
+    /// A copy of the persistent reservation state (to replicate or inspect it).
+    pub fn pr_state(&self) -> PrState {
+        self.pr.read().clone()
+    }
+
+    /// The target port groups REPORT TARGET PORT GROUPS reports.
+    pub fn port_groups(&self) -> Vec<PortGroup> {
+        self.groups.read().clone()
+    }
+
+    /// Replace the target port groups (issue 20: both nodes' groups, their states from
+    /// the mirror). This node's group (`LuConfig::port.group`) decides what commands
+    /// are served here. A change raises ASYMMETRIC ACCESS STATE CHANGED on every nexus.
+    pub fn set_port_groups(&self, groups: Vec<PortGroup>) {
+        let own = groups
+            .iter()
+            .find(|g| g.id == self.config.port.group)
+            .map_or(AluaState::ActiveOptimized, |g| g.state);
+        let changed = {
+            let mut g = self.groups.write();
+            let changed = *g != groups;
+            *g = groups;
+            changed
+        };
+        self.own_state.store(own as u8, Ordering::Release);
+        if changed {
+            for n in self.nexuses.lock().iter() {
+                n.push_ua(sense::UA_ALUA_CHANGED);
+            }
+        }
+    }
+
+    fn own_alua(&self) -> AluaState {
+        AluaState::from_u8(self.own_state.load(Ordering::Acquire))
+    }
+
     /// Register an I_T nexus (a login). Its first command that is not INQUIRY, REPORT
     /// LUNS or REQUEST SENSE gets the POWER ON, RESET, OR BUS DEVICE RESET OCCURRED unit
     /// attention.
     pub fn attach(self: &Arc<Self>, nexus: Nexus) -> NexusHandle {
+        let state = Arc::new(NexusState {
+            id: self.next_nexus.fetch_add(1, Ordering::Relaxed),
+            nexus: nexus.clone(),
+            ua: Mutex::new(VecDeque::new()),
+            ua_pending: AtomicBool::new(false),
+            aborts: tokio::sync::watch::channel(Aborts::default()).0,
+        });
+        state.push_ua(sense::UA_RESET);
+        self.nexuses.lock().push(state.clone());
         NexusHandle {
             lu: self.clone(),
             nexus,
+            state,
         }
+    }
+
+    /// The end of a nexus: its SCSI-2 reservation goes, its registrations stay.
+    fn detach(&self, id: u64) {
+        self.nexuses.lock().retain(|n| n.id != id);
+        let mut s2 = self.scsi2.lock();
+        if *s2 == Some(id) {
+            *s2 = None;
+        }
+        drop(s2);
+        self.update_reserved();
+    }
+
+    fn update_reserved(&self) {
+        let any = self.scsi2.lock().is_some() || self.pr.read().reservation.is_some();
+        self.reserved.store(any, Ordering::Release);
+    }
+
+    /// Every attached nexus but `except`.
+    fn others(&self, except: u64) -> Vec<Arc<NexusState>> {
+        self.nexuses
+            .lock()
+            .iter()
+            .filter(|n| n.id != except)
+            .cloned()
+            .collect()
     }
 
     /// What data the CDB moves; `Err` carries the CHECK CONDITION to answer at once
     /// (an unknown opcode, a bad field) without collecting any data.
     pub fn inspect(&self, cdb: &[u8]) -> std::result::Result<Direction, Response> {
-        let _ = cdb;
-        Ok(Direction::None)
+        cdb::direction(cdb, &self.geometry).map_err(|s| s.response(self.mode.get().d_sense()))
     }
 
     /// Run a command for `nexus`.
     pub async fn execute(&self, nexus: &NexusHandle, command: Command) -> Response {
-        let _ = (nexus, command);
-        Response {
-            status: Status::Good,
-            sense: Bytes::new(),
-            data: Bytes::new(),
-        }
+        self.run(&nexus.state, command).await
     }
 
     /// Run a task management function from `nexus` (raises the unit attentions it
     /// implies and bumps [`NexusHandle::aborts`] of the other nexuses it aborts). The
     /// transport ends `nexus`'s own tasks itself.
+    ///
+    /// | function | effect |
+    /// |---|---|
+    /// | ABORT TASK SET | none |
+    /// | CLEAR TASK SET | the other nexuses' tasks aborted |
+    /// | LOGICAL UNIT RESET | others' tasks aborted, UA 29/03 on every nexus (the issuer's too), SCSI-2 reservation released |
+    /// | TARGET WARM RESET | as LU reset with UA 29/02 |
+    /// | TARGET COLD RESET | as LU reset with UA 29/01, mode pages to defaults, PR state without APTPL cleared |
+    /// | CLEAR ACA | `NotSupported` (no ACA is offered) |
     pub fn task_management(&self, nexus: &NexusHandle, function: TaskFunction) -> Result<()> {
-        let _ = (nexus, function);
+        let me = nexus.state.id;
+        let tas = self.mode.get().tas();
+        let (ua, abort) = match function {
+            TaskFunction::AbortTaskSet => return Ok(()),
+            TaskFunction::ClearTaskSet => (None, true),
+            TaskFunction::LunReset => (Some(sense::UA_BUS_DEVICE_RESET), true),
+            TaskFunction::TargetWarmReset => (Some(sense::UA_BUS_RESET), true),
+            TaskFunction::TargetColdReset => (Some(sense::UA_POWER_ON), true),
+            TaskFunction::ClearAca => {
+                return Err(Error::new(ErrorKind::NotSupported, "CLEAR ACA: no ACA"));
+            }
+        };
+        if ua.is_some() {
+            *self.scsi2.lock() = None;
+        }
+        if function == TaskFunction::TargetColdReset {
+            self.mode.reset();
+            self.pr.write().power_on();
+        }
+        self.update_reserved();
+        // The reset unit attention goes to every nexus, the issuer's too (SAM-3 6.2;
+        // libiscsi's MultipathIO.Reset looks for it on every path).
+        if let Some(s) = ua {
+            nexus.state.push_ua(s);
+        }
+        for n in self.others(me) {
+            if let Some(s) = ua {
+                n.push_ua(s);
+            }
+            if abort {
+                n.bump_aborts(tas);
+            }
+        }
         Ok(())
     }
 }
@@ -273,10 +580,5 @@ impl LogicalUnit {
 /// peripheral qualifier of 011b, REPORT LUNS and REQUEST SENSE work, everything else
 /// gets ILLEGAL REQUEST, LOGICAL UNIT NOT SUPPORTED.
 pub fn missing_lun(command: &Command, lun_count: u32) -> Response {
-    let _ = (command, lun_count);
-    Response {
-        status: Status::CheckCondition,
-        sense: Bytes::new(),
-        data: Bytes::new(),
-    }
+    exec::missing_lun(command, lun_count)
 }
