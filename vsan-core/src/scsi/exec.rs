@@ -237,7 +237,7 @@ impl LogicalUnit {
                 let out = self
                     .pr
                     .read()
-                    .read(service_action(cdb), self.config.state_file.is_some())?;
+                    .read(service_action(cdb), self.ptpl_capable())?;
                 Ok(good_data(out))
             }
             PR_OUT => self.pr_out(nexus, cdb, &data).await,
@@ -274,17 +274,43 @@ impl LogicalUnit {
         if self.scsi2.lock().is_some_and(|h| h != nexus.id) {
             return Err(Fail::Conflict);
         }
+        match self.apply_pr_out(&nexus.nexus, Some(nexus.id), &op).await {
+            Ok(()) => Ok(good()),
+            Err(PrError::Conflict) => Err(Fail::Conflict),
+            Err(PrError::Check(s)) => Err(s.into()),
+        }
+    }
+
+    /// Whether the PR state survives a power loss here (APTPL can be honoured).
+    fn ptpl_capable(&self) -> bool {
+        self.config.state_file.is_some() || self.pr_store.read().is_some()
+    }
+
+    /// Apply a PERSISTENT RESERVE OUT that came through another node (issue 20: the
+    /// mirror delivers every node's PR OUT to every node in one order): the same state
+    /// change as where it was issued, and the unit attentions and aborts it implies for
+    /// the nexuses attached here. `from` is the issuing nexus, wherever it is.
+    pub async fn apply_replicated_pr_out(
+        &self,
+        from: &super::Nexus,
+        op: &PrOut,
+    ) -> Result<(), PrError> {
+        self.apply_pr_out(from, None, op).await
+    }
+
+    async fn apply_pr_out(
+        &self,
+        from: &super::Nexus,
+        local: Option<u64>,
+        op: &PrOut,
+    ) -> Result<(), PrError> {
         let _serial = self.pr_out.lock().await;
         let mut next = self.pr.read().clone();
-        let fx = match next.apply(&nexus.nexus, &op, self.config.state_file.is_some()) {
-            Ok(fx) => fx,
-            Err(PrError::Conflict) => return Err(Fail::Conflict),
-            Err(PrError::Check(s)) => return Err(s.into()),
-        };
+        let fx = next.apply(from, op, self.ptpl_capable())?;
         if fx.changed {
             if let Err(e) = self.persist(&next).await {
                 tracing::warn!("persistent reservation state not saved: {e}");
-                return Err(sense::INTERNAL_FAILURE.into());
+                return Err(PrError::Check(sense::INTERNAL_FAILURE));
             }
             *self.pr.write() = next;
         }
@@ -292,7 +318,7 @@ impl LogicalUnit {
         if !fx.unit_attentions.is_empty() || !fx.aborts.is_empty() {
             let tas = self.mode.get().tas();
             let all = self.nexuses.lock().clone();
-            for n in all.iter().filter(|n| n.id != nexus.id) {
+            for n in all.iter().filter(|n| Some(n.id) != local) {
                 for (reg, s) in &fx.unit_attentions {
                     if reg.matches(&n.nexus) {
                         n.push_ua(*s);
@@ -303,7 +329,7 @@ impl LogicalUnit {
                 }
             }
         }
-        Ok(good())
+        Ok(())
     }
 
     /// Replace the persistent reservation state with `state` (one a peer or a resync
@@ -314,7 +340,7 @@ impl LogicalUnit {
         let _serial = self.pr_out.lock().await;
         self.persist(&state)
             .await
-            .map_err(|e| crate::error::Error::io("save SCSI state file", e))?;
+            .map_err(|e| crate::error::Error::io("save persistent reservation state", e))?;
         *self.pr.write() = state;
         self.update_reserved();
         Ok(())
@@ -322,6 +348,13 @@ impl LogicalUnit {
 
     /// Write the state file: a temporary file, fsync, rename over, fsync the directory.
     async fn persist(&self, state: &super::PrState) -> std::io::Result<()> {
+        let store = self.pr_store.read().clone();
+        if let Some(store) = store {
+            return store
+                .save(state)
+                .await
+                .map_err(|e| std::io::Error::other(e.to_string()));
+        }
         let Some(path) = self.config.state_file.clone() else {
             return Ok(());
         };

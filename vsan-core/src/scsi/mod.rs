@@ -215,8 +215,19 @@ pub struct LogicalUnit {
     scsi2: Mutex<Option<u64>>,
     locks: lock::StripeLock,
     groups: RwLock<Vec<PortGroup>>,
+    /// Where PR state goes instead of the state file, when set.
+    pr_store: RwLock<Option<Arc<dyn PrStore>>>,
     /// This node's group's [`AluaState`], for the per-command check.
     own_state: AtomicU8,
+}
+
+/// Where the persistent reservation state is kept. By default a logical unit writes
+/// [`LuConfig::state_file`]; a mirror (issue 20) sets its own with
+/// [`LogicalUnit::set_pr_store`] to carry the state with the data, in the same order.
+pub trait PrStore: Send + Sync {
+    /// Make `state` durable (and replicated, for a mirror); a PERSISTENT RESERVE OUT
+    /// completes only after this does, and fails with HARDWARE ERROR if it fails.
+    fn save<'a>(&'a self, state: &'a PrState) -> crate::device::IoFuture<'a, ()>;
 }
 
 /// An asymmetric access state (SPC-4 5.16.2).
@@ -408,6 +419,7 @@ impl LogicalUnit {
             scsi2: Mutex::new(None),
             locks: lock::StripeLock::default(),
             groups: RwLock::new(groups),
+            pr_store: RwLock::new(None),
             own_state: AtomicU8::new(AluaState::ActiveOptimized as u8),
             config,
         }))
@@ -431,6 +443,12 @@ impl LogicalUnit {
     /// A copy of the persistent reservation state (to replicate or inspect it).
     pub fn pr_state(&self) -> PrState {
         self.pr.read().clone()
+    }
+
+    /// Keep the persistent reservation state in `store` instead of the state file (APTPL
+    /// is then offered).
+    pub fn set_pr_store(&self, store: Arc<dyn PrStore>) {
+        *self.pr_store.write() = Some(store);
     }
 
     /// The target port groups REPORT TARGET PORT GROUPS reports.

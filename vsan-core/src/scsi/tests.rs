@@ -1433,3 +1433,93 @@ async fn device_errors_become_sense() {
         dev.clear_faults();
     }
 }
+
+#[tokio::test]
+async fn a_replicated_pr_out_raises_the_unit_attentions_here() {
+    // Node 2's view: b is attached here; a registered and preempts through node 1.
+    let lu = lu();
+    let b = attach(&lu, "b").await;
+    let a_remote = nexus("a");
+    assert_eq!(pr(&lu, &b, REGISTER, 0, 0, 2).await, Status::Good);
+    let op = |action, key, sa_key| pr::PrOut {
+        action,
+        kind: 1,
+        scope: 0,
+        key,
+        sa_key,
+        spec_i_pt: false,
+        all_tg_pt: false,
+        aptpl: false,
+        transport_ids: vec![],
+    };
+    lu.apply_replicated_pr_out(&a_remote, &op(pr::PrAction::Register, 0, 1))
+        .await
+        .unwrap();
+    lu.apply_replicated_pr_out(&a_remote, &op(pr::PrAction::Reserve, 1, 0))
+        .await
+        .unwrap();
+    let wb = b.aborts();
+    lu.apply_replicated_pr_out(&a_remote, &op(pr::PrAction::PreemptAndAbort, 1, 2))
+        .await
+        .unwrap();
+    assert_eq!(wb.borrow().count, 1);
+    let r = run(&lu, &b, &[TEST_UNIT_READY, 0, 0, 0, 0, 0], &[]).await;
+    assert_eq!(sense_of(&r), (6, 0x2A, 0x05));
+    assert_eq!(
+        run(&lu, &b, &rw10(WRITE_10, 0, 1), &pattern(1, 1))
+            .await
+            .status,
+        Status::ReservationConflict
+    );
+    assert_eq!(
+        lu.apply_replicated_pr_out(&a_remote, &op(pr::PrAction::Clear, 9, 0))
+            .await,
+        Err(pr::PrError::Conflict)
+    );
+}
+
+#[tokio::test]
+async fn a_pr_store_replaces_the_state_file_and_its_failure_fails_the_command() {
+    struct Store(
+        parking_lot::Mutex<Vec<PrState>>,
+        std::sync::atomic::AtomicBool,
+    );
+    impl PrStore for Store {
+        fn save<'a>(&'a self, state: &'a PrState) -> crate::device::IoFuture<'a, ()> {
+            let fail = self.1.load(std::sync::atomic::Ordering::Relaxed);
+            if !fail {
+                self.0.lock().push(state.clone());
+            }
+            Box::pin(async move {
+                if fail {
+                    Err(crate::Error::new(ErrorKind::Io, "peer gone"))
+                } else {
+                    Ok(())
+                }
+            })
+        }
+    }
+    let lu = lu();
+    let store = Arc::new(Store(Default::default(), Default::default()));
+    lu.set_pr_store(store.clone());
+    let a = attach(&lu, "a").await;
+    assert_eq!(prin(&lu, &a, 2).await[2] & 0x01, 1, "PTPL_C with a store");
+    let (c, d) = prout(REGISTER, 0, 0, 5, 0x01);
+    good(&run(&lu, &a, &c, &d).await);
+    assert_eq!(store.0.lock().len(), 1);
+    assert!(store.0.lock()[0].aptpl);
+    store.1.store(true, std::sync::atomic::Ordering::Relaxed);
+    let r = run(
+        &lu,
+        &a,
+        &prout(REGISTER, 0, 5, 6, 0).0,
+        &prout(REGISTER, 0, 5, 6, 0).1,
+    )
+    .await;
+    assert_eq!(sense_of(&r), (4, 0x44, 0));
+    assert_eq!(
+        lu.pr_state().registrations[0].key,
+        5,
+        "unchanged when not saved"
+    );
+}
