@@ -55,14 +55,17 @@ fn conflict() -> Response {
 
 /// The reservation class of a command (SPC-4 table 63, SBC-3 table 13). MODE SENSE is
 /// treated as a read (allowed under WRITE EXCLUSIVE), the way common targets do.
-fn access_class(op: u8) -> AccessClass {
+fn access_class(cdb: &[u8]) -> AccessClass {
+    let op = u8_at(cdb, 0);
+    if op == SERVICE_ACTION_IN_16 && service_action(cdb) == SA_GET_LBA_STATUS {
+        return AccessClass::Read;
+    }
     match op {
         READ_6 | READ_10 | READ_12 | READ_16 | VERIFY_10 | VERIFY_12 | VERIFY_16 | MODE_SENSE_6
         | MODE_SENSE_10 | PRE_FETCH_10 | PRE_FETCH_16 => AccessClass::Read,
         WRITE_6 | WRITE_10 | WRITE_12 | WRITE_16 | WRITE_VERIFY_10 | WRITE_VERIFY_12
         | WRITE_VERIFY_16 | WRITE_SAME_10 | WRITE_SAME_16 | UNMAP | COMPARE_AND_WRITE
         | SYNC_CACHE_10 | SYNC_CACHE_16 | MODE_SELECT_6 | MODE_SELECT_10 => AccessClass::Write,
-        SERVICE_ACTION_IN_16 => AccessClass::Always,
         _ => AccessClass::Always,
     }
 }
@@ -112,7 +115,7 @@ impl LogicalUnit {
                 AluaState::Unavailable => return sense::NOT_READY_UNAVAILABLE.response(d),
             }
         }
-        if self.reserved.load(Ordering::Acquire) && !self.reservation_allows(nexus, op) {
+        if self.reserved.load(Ordering::Acquire) && !self.reservation_allows(nexus, cdb) {
             return conflict();
         }
         let need = match dir {
@@ -142,13 +145,14 @@ impl LogicalUnit {
     }
 
     /// The reservation checks, taken only while some reservation exists.
-    fn reservation_allows(&self, nexus: &NexusState, op: u8) -> bool {
+    fn reservation_allows(&self, nexus: &NexusState, cdb: &[u8]) -> bool {
+        let op = u8_at(cdb, 0);
         if let Some(holder) = *self.scsi2.lock() {
             if holder != nexus.id && !always_served(op) && !matches!(op, RELEASE_6 | RELEASE_10) {
                 return false;
             }
         }
-        self.pr.read().allows(&nexus.nexus, access_class(op))
+        self.pr.read().allows(&nexus.nexus, access_class(cdb))
     }
 
     async fn dispatch(
