@@ -257,11 +257,9 @@ impl LogicalUnit {
         if cdb[0] == RESERVE_10 && u8_at(cdb, 1) & 0x12 != 0 {
             return Err(sense::INVALID_FIELD_IN_CDB.into()); // third party, LONGID
         }
-        {
-            let pr = self.pr.read();
-            if pr.reservation.is_some() || !pr.registrations.is_empty() {
-                return Err(Fail::Conflict);
-            }
+        // SPC-2 5.5.1: RESERVE while a persistent reservation is in effect conflicts.
+        if self.pr.read().reservation.is_some() {
+            return Err(Fail::Conflict);
         }
         let mut s2 = self.scsi2.lock();
         match *s2 {

@@ -22,6 +22,24 @@
 //! The I/O path (READ/WRITE) allocates nothing beyond the data `Bytes`: pending unit
 //! attentions and reservations are each one atomic flag test when there are none, and
 //! writes take one stripe of the COMPARE AND WRITE lock shared.
+//!
+//! Choices where the standards leave room (each checked against what libiscsi's
+//! `iscsi-test-cu` expects):
+//! - every new nexus starts with UNIT ATTENTION 29/00 (the code libiscsi's helpers
+//!   tolerate); a LOGICAL UNIT RESET raises 29/03 on every nexus, the issuer's too;
+//! - the checks run in this order: CDB fields, unit attention (not for INQUIRY, REPORT
+//!   LUNS, REQUEST SENSE), ALUA state, reservation conflict, data-out length, the
+//!   command's own checks (range before any I/O: a refused command changes nothing);
+//! - MODE SENSE counts as a read for the reservation rules, TEST UNIT READY, READ
+//!   CAPACITY, REPORT LUNS, INQUIRY and the MAINTENANCE IN reports are always allowed;
+//! - SCSI-2 RESERVE conflicts while a persistent reservation exists; it is released by
+//!   RELEASE from its holder, the end of the holder's nexus and any reset;
+//! - WRITE SAME with UNMAP deallocates whatever its pattern; a zero pattern without
+//!   UNMAP writes zeroes; WSNZ is set (0 blocks is an invalid field);
+//! - GET LBA STATUS reports blocks that read as zeros as deallocated (with LBPRZ the two
+//!   cannot be told apart), the rest mapped;
+//! - persistent reservation state without APTPL is written to the state file too (so a
+//!   replica has it) but dropped when the unit is created again (a power on).
 
 use std::collections::VecDeque;
 use std::path::PathBuf;
