@@ -55,14 +55,17 @@ fn conflict() -> Response {
 
 /// The reservation class of a command (SPC-4 table 63, SBC-3 table 13). MODE SENSE is
 /// treated as a read (allowed under WRITE EXCLUSIVE), the way common targets do.
-fn access_class(op: u8) -> AccessClass {
+fn access_class(cdb: &[u8]) -> AccessClass {
+    let op = u8_at(cdb, 0);
+    if op == SERVICE_ACTION_IN_16 && service_action(cdb) == SA_GET_LBA_STATUS {
+        return AccessClass::Read;
+    }
     match op {
         READ_6 | READ_10 | READ_12 | READ_16 | VERIFY_10 | VERIFY_12 | VERIFY_16 | MODE_SENSE_6
         | MODE_SENSE_10 | PRE_FETCH_10 | PRE_FETCH_16 => AccessClass::Read,
         WRITE_6 | WRITE_10 | WRITE_12 | WRITE_16 | WRITE_VERIFY_10 | WRITE_VERIFY_12
         | WRITE_VERIFY_16 | WRITE_SAME_10 | WRITE_SAME_16 | UNMAP | COMPARE_AND_WRITE
         | SYNC_CACHE_10 | SYNC_CACHE_16 | MODE_SELECT_6 | MODE_SELECT_10 => AccessClass::Write,
-        SERVICE_ACTION_IN_16 => AccessClass::Always,
         _ => AccessClass::Always,
     }
 }
@@ -112,7 +115,7 @@ impl LogicalUnit {
                 AluaState::Unavailable => return sense::NOT_READY_UNAVAILABLE.response(d),
             }
         }
-        if self.reserved.load(Ordering::Acquire) && !self.reservation_allows(nexus, op) {
+        if self.reserved.load(Ordering::Acquire) && !self.reservation_allows(nexus, cdb) {
             return conflict();
         }
         let need = match dir {
@@ -142,13 +145,14 @@ impl LogicalUnit {
     }
 
     /// The reservation checks, taken only while some reservation exists.
-    fn reservation_allows(&self, nexus: &NexusState, op: u8) -> bool {
+    fn reservation_allows(&self, nexus: &NexusState, cdb: &[u8]) -> bool {
+        let op = u8_at(cdb, 0);
         if let Some(holder) = *self.scsi2.lock() {
             if holder != nexus.id && !always_served(op) && !matches!(op, RELEASE_6 | RELEASE_10) {
                 return false;
             }
         }
-        self.pr.read().allows(&nexus.nexus, access_class(op))
+        self.pr.read().allows(&nexus.nexus, access_class(cdb))
     }
 
     async fn dispatch(
@@ -237,7 +241,7 @@ impl LogicalUnit {
                 let out = self
                     .pr
                     .read()
-                    .read(service_action(cdb), self.config.state_file.is_some())?;
+                    .read(service_action(cdb), self.ptpl_capable())?;
                 Ok(good_data(out))
             }
             PR_OUT => self.pr_out(nexus, cdb, &data).await,
@@ -253,11 +257,9 @@ impl LogicalUnit {
         if cdb[0] == RESERVE_10 && u8_at(cdb, 1) & 0x12 != 0 {
             return Err(sense::INVALID_FIELD_IN_CDB.into()); // third party, LONGID
         }
-        {
-            let pr = self.pr.read();
-            if pr.reservation.is_some() || !pr.registrations.is_empty() {
-                return Err(Fail::Conflict);
-            }
+        // SPC-2 5.5.1: RESERVE while a persistent reservation is in effect conflicts.
+        if self.pr.read().reservation.is_some() {
+            return Err(Fail::Conflict);
         }
         let mut s2 = self.scsi2.lock();
         match *s2 {
@@ -274,17 +276,43 @@ impl LogicalUnit {
         if self.scsi2.lock().is_some_and(|h| h != nexus.id) {
             return Err(Fail::Conflict);
         }
+        match self.apply_pr_out(&nexus.nexus, Some(nexus.id), &op).await {
+            Ok(()) => Ok(good()),
+            Err(PrError::Conflict) => Err(Fail::Conflict),
+            Err(PrError::Check(s)) => Err(s.into()),
+        }
+    }
+
+    /// Whether the PR state survives a power loss here (APTPL can be honoured).
+    fn ptpl_capable(&self) -> bool {
+        self.config.state_file.is_some() || self.pr_store.read().is_some()
+    }
+
+    /// Apply a PERSISTENT RESERVE OUT that came through another node (issue 20: the
+    /// mirror delivers every node's PR OUT to every node in one order): the same state
+    /// change as where it was issued, and the unit attentions and aborts it implies for
+    /// the nexuses attached here. `from` is the issuing nexus, wherever it is.
+    pub async fn apply_replicated_pr_out(
+        &self,
+        from: &super::Nexus,
+        op: &PrOut,
+    ) -> Result<(), PrError> {
+        self.apply_pr_out(from, None, op).await
+    }
+
+    async fn apply_pr_out(
+        &self,
+        from: &super::Nexus,
+        local: Option<u64>,
+        op: &PrOut,
+    ) -> Result<(), PrError> {
         let _serial = self.pr_out.lock().await;
         let mut next = self.pr.read().clone();
-        let fx = match next.apply(&nexus.nexus, &op, self.config.state_file.is_some()) {
-            Ok(fx) => fx,
-            Err(PrError::Conflict) => return Err(Fail::Conflict),
-            Err(PrError::Check(s)) => return Err(s.into()),
-        };
+        let fx = next.apply(from, op, self.ptpl_capable())?;
         if fx.changed {
             if let Err(e) = self.persist(&next).await {
                 tracing::warn!("persistent reservation state not saved: {e}");
-                return Err(sense::INTERNAL_FAILURE.into());
+                return Err(PrError::Check(sense::INTERNAL_FAILURE));
             }
             *self.pr.write() = next;
         }
@@ -292,7 +320,7 @@ impl LogicalUnit {
         if !fx.unit_attentions.is_empty() || !fx.aborts.is_empty() {
             let tas = self.mode.get().tas();
             let all = self.nexuses.lock().clone();
-            for n in all.iter().filter(|n| n.id != nexus.id) {
+            for n in all.iter().filter(|n| Some(n.id) != local) {
                 for (reg, s) in &fx.unit_attentions {
                     if reg.matches(&n.nexus) {
                         n.push_ua(*s);
@@ -303,7 +331,7 @@ impl LogicalUnit {
                 }
             }
         }
-        Ok(good())
+        Ok(())
     }
 
     /// Replace the persistent reservation state with `state` (one a peer or a resync
@@ -314,7 +342,7 @@ impl LogicalUnit {
         let _serial = self.pr_out.lock().await;
         self.persist(&state)
             .await
-            .map_err(|e| crate::error::Error::io("save SCSI state file", e))?;
+            .map_err(|e| crate::error::Error::io("save persistent reservation state", e))?;
         *self.pr.write() = state;
         self.update_reserved();
         Ok(())
@@ -322,6 +350,13 @@ impl LogicalUnit {
 
     /// Write the state file: a temporary file, fsync, rename over, fsync the directory.
     async fn persist(&self, state: &super::PrState) -> std::io::Result<()> {
+        let store = self.pr_store.read().clone();
+        if let Some(store) = store {
+            return store
+                .save(state)
+                .await
+                .map_err(|e| std::io::Error::other(e.to_string()));
+        }
         let Some(path) = self.config.state_file.clone() else {
             return Ok(());
         };

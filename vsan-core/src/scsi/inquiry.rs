@@ -1,6 +1,6 @@
 //! INQUIRY: standard data and the vital product data pages (SPC-4 6.6, 7.8; SBC-3 6.5).
 
-use super::cdb::{be16, u8_at};
+use super::cdb::u8_at;
 use super::sense::{self, Sense};
 use super::{LuIdentity, TargetPort};
 use crate::device::Geometry;
@@ -49,7 +49,6 @@ pub fn inquiry(cdb: &[u8], input: &InquiryInput<'_>) -> Result<Vec<u8>, Sense> {
         }
         return Ok(standard(input));
     }
-    let _ = be16(cdb, 3);
     let mut out = vec![0x00, page, 0, 0];
     match page {
         0x00 => out.extend_from_slice(&[0x00, 0x80, 0x83, 0xB0, 0xB1, 0xB2]),

@@ -22,6 +22,24 @@
 //! The I/O path (READ/WRITE) allocates nothing beyond the data `Bytes`: pending unit
 //! attentions and reservations are each one atomic flag test when there are none, and
 //! writes take one stripe of the COMPARE AND WRITE lock shared.
+//!
+//! Choices where the standards leave room (each checked against what libiscsi's
+//! `iscsi-test-cu` expects):
+//! - every new nexus starts with UNIT ATTENTION 29/00 (the code libiscsi's helpers
+//!   tolerate); a LOGICAL UNIT RESET raises 29/03 on every nexus, the issuer's too;
+//! - the checks run in this order: CDB fields, unit attention (not for INQUIRY, REPORT
+//!   LUNS, REQUEST SENSE), ALUA state, reservation conflict, data-out length, the
+//!   command's own checks (range before any I/O: a refused command changes nothing);
+//! - MODE SENSE counts as a read for the reservation rules, TEST UNIT READY, READ
+//!   CAPACITY, REPORT LUNS, INQUIRY and the MAINTENANCE IN reports are always allowed;
+//! - SCSI-2 RESERVE conflicts while a persistent reservation exists; it is released by
+//!   RELEASE from its holder, the end of the holder's nexus and any reset;
+//! - WRITE SAME with UNMAP deallocates whatever its pattern; a zero pattern without
+//!   UNMAP writes zeroes; WSNZ is set (0 blocks is an invalid field);
+//! - GET LBA STATUS reports blocks that read as zeros as deallocated (with LBPRZ the two
+//!   cannot be told apart), the rest mapped;
+//! - persistent reservation state without APTPL is written to the state file too (so a
+//!   replica has it) but dropped when the unit is created again (a power on).
 
 use std::collections::VecDeque;
 use std::path::PathBuf;
@@ -215,8 +233,19 @@ pub struct LogicalUnit {
     scsi2: Mutex<Option<u64>>,
     locks: lock::StripeLock,
     groups: RwLock<Vec<PortGroup>>,
+    /// Where PR state goes instead of the state file, when set.
+    pr_store: RwLock<Option<Arc<dyn PrStore>>>,
     /// This node's group's [`AluaState`], for the per-command check.
     own_state: AtomicU8,
+}
+
+/// Where the persistent reservation state is kept. By default a logical unit writes
+/// [`LuConfig::state_file`]; a mirror (issue 20) sets its own with
+/// [`LogicalUnit::set_pr_store`] to carry the state with the data, in the same order.
+pub trait PrStore: Send + Sync {
+    /// Make `state` durable (and replicated, for a mirror); a PERSISTENT RESERVE OUT
+    /// completes only after this does, and fails with HARDWARE ERROR if it fails.
+    fn save<'a>(&'a self, state: &'a PrState) -> crate::device::IoFuture<'a, ()>;
 }
 
 /// An asymmetric access state (SPC-4 5.16.2).
@@ -408,6 +437,7 @@ impl LogicalUnit {
             scsi2: Mutex::new(None),
             locks: lock::StripeLock::default(),
             groups: RwLock::new(groups),
+            pr_store: RwLock::new(None),
             own_state: AtomicU8::new(AluaState::ActiveOptimized as u8),
             config,
         }))
@@ -436,6 +466,12 @@ impl LogicalUnit {
     /// A copy of the persistent reservation state (to replicate or inspect it).
     pub fn pr_state(&self) -> PrState {
         self.pr.read().clone()
+    }
+
+    /// Keep the persistent reservation state in `store` instead of the state file (APTPL
+    /// is then offered).
+    pub fn set_pr_store(&self, store: Arc<dyn PrStore>) {
+        *self.pr_store.write() = Some(store);
     }
 
     /// The target port groups REPORT TARGET PORT GROUPS reports.
