@@ -30,8 +30,7 @@ fn parse_size(s: &str) -> u64 {
 async fn main() -> vsan_core::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "info".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .init();
     let args: Vec<String> = std::env::args().collect();

@@ -41,8 +41,7 @@ fn lu(dev: Arc<dyn BlockDevice>) -> Arc<LogicalUnit> {
 
 async fn start(options: ServerOptions) -> (Server, std::net::SocketAddr, Arc<MemDevice>) {
     let dev = Arc::new(MemDevice::new(Geometry::new(16 << 20, BLOCK).unwrap()));
-    let server =
-        Server::with_options(vec![Target::new(IQN, lu(dev.clone()))], options).unwrap();
+    let server = Server::with_options(vec![Target::new(IQN, lu(dev.clone()))], options).unwrap();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let s = server.clone();
@@ -110,10 +109,13 @@ impl Initiator {
             if let Some(r) = self.dec.decode(&mut self.inbuf).unwrap() {
                 return Some(r);
             }
-            let n = tokio::time::timeout(Duration::from_secs(10), self.stream.read_buf(&mut self.inbuf))
-                .await
-                .expect("the target answered within 10 s")
-                .unwrap();
+            let n = tokio::time::timeout(
+                Duration::from_secs(10),
+                self.stream.read_buf(&mut self.inbuf),
+            )
+            .await
+            .expect("the target answered within 10 s")
+            .unwrap();
             if n == 0 {
                 return None;
             }
@@ -152,7 +154,11 @@ impl Initiator {
 
     /// Log in to `target` (None: a discovery session) with extra operational keys;
     /// returns the target's keys.
-    async fn login(&mut self, target: Option<&str>, extra: &[(&str, &str)]) -> Vec<(String, String)> {
+    async fn login(
+        &mut self,
+        target: Option<&str>,
+        extra: &[(&str, &str)],
+    ) -> Vec<(String, String)> {
         let mut pairs = vec![("InitiatorName", INITIATOR), ("AuthMethod", "None")];
         match target {
             Some(t) => {
@@ -172,7 +178,11 @@ impl Initiator {
         ];
         op.extend_from_slice(extra);
         let r = self.login_step(itt, 1, 3, keys(&op)).await;
-        assert_eq!((r.status_class, r.status_detail), (0, 0), "operational stage");
+        assert_eq!(
+            (r.status_class, r.status_detail),
+            (0, 0),
+            "operational stage"
+        );
         assert!(r.transit, "the target moves to the full-feature phase");
         got.extend(parse_keys(&r.data));
         if let Some((_, v)) = got.iter().find(|(k, _)| k == "MaxRecvDataSegmentLength") {
@@ -181,7 +191,13 @@ impl Initiator {
         got
     }
 
-    async fn login_step(&mut self, itt: u32, csg: u8, nsg: u8, data: Bytes) -> vsan_core::export::iscsi::pdu::LoginResp {
+    async fn login_step(
+        &mut self,
+        itt: u32,
+        csg: u8,
+        nsg: u8,
+        data: Bytes,
+    ) -> vsan_core::export::iscsi::pdu::LoginResp {
         self.send(Request::Login(LoginReq {
             header: [0; 48],
             transit: true,
@@ -208,7 +224,15 @@ impl Initiator {
         }
     }
 
-    fn command(&mut self, cdb: &[u8], read: bool, write: bool, edtl: u32, data: Bytes, final_: bool) -> ScsiCommand {
+    fn command(
+        &mut self,
+        cdb: &[u8],
+        read: bool,
+        write: bool,
+        edtl: u32,
+        data: Bytes,
+        final_: bool,
+    ) -> ScsiCommand {
         let itt = self.next_itt();
         let c = ScsiCommand {
             header: [0; 48],
@@ -232,7 +256,13 @@ impl Initiator {
 
     /// Run one command to its status, answering R2Ts from `data`; returns the status,
     /// the data-in, and the SCSI Response (None when the status came in a Data-In).
-    async fn run(&mut self, cdb: &[u8], edtl_in: u32, data: &[u8], immediate_max: usize) -> (u8, Bytes, Option<ScsiResponse>) {
+    async fn run(
+        &mut self,
+        cdb: &[u8],
+        edtl_in: u32,
+        data: &[u8],
+        immediate_max: usize,
+    ) -> (u8, Bytes, Option<ScsiResponse>) {
         let write = !data.is_empty();
         let imm = data.len().min(immediate_max);
         let c = self.command(
@@ -291,11 +321,19 @@ impl Initiator {
     }
 
     /// Run a command until it is not answered by a unit attention.
-    async fn run_clear_ua(&mut self, cdb: &[u8], edtl_in: u32, data: &[u8], imm: usize) -> (u8, Bytes, Option<ScsiResponse>) {
+    async fn run_clear_ua(
+        &mut self,
+        cdb: &[u8],
+        edtl_in: u32,
+        data: &[u8],
+        imm: usize,
+    ) -> (u8, Bytes, Option<ScsiResponse>) {
         for _ in 0..4 {
             let r = self.run(cdb, edtl_in, data, imm).await;
             let ua = r.0 == 2
-                && r.2.as_ref().is_some_and(|s| sense_key(&s.sense) == Some(0x06));
+                && r.2
+                    .as_ref()
+                    .is_some_and(|s| sense_key(&s.sense) == Some(0x06));
             if !ua {
                 return r;
             }
@@ -328,13 +366,19 @@ fn read10(lba: u32, blocks: u16) -> [u8; 10] {
 }
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
 }
 
 #[tokio::test]
 async fn login_write_read_through_every_data_path() {
     let (server, addr, dev) = start(ServerOptions::default()).await;
-    for (initial_r2t, immediate, imm_max) in [("No", "Yes", 1 << 20), ("Yes", "No", 0), ("Yes", "Yes", 4096)] {
+    for (initial_r2t, immediate, imm_max) in [
+        ("No", "Yes", 1 << 20),
+        ("Yes", "No", 0),
+        ("Yes", "Yes", 4096),
+    ] {
         let mut ini = Initiator::connect(addr).await;
         let got = ini
             .login(
@@ -347,7 +391,11 @@ async fn login_write_read_through_every_data_path() {
                 ],
             )
             .await;
-        assert!(got.iter().any(|(k, v)| k == "InitialR2T" && v == initial_r2t), "{got:?}");
+        assert!(
+            got.iter()
+                .any(|(k, v)| k == "InitialR2T" && v == initial_r2t),
+            "{got:?}"
+        );
         let imm_max = imm_max.min(ini.target_mrdsl as usize);
         // 1 block, 8 blocks, and 600 KiB (several bursts and R2Ts).
         for (i, blocks) in [1u16, 8, 1200].into_iter().enumerate() {
@@ -357,7 +405,10 @@ async fn login_write_read_through_every_data_path() {
                 .run_clear_ua(&write10(lba, blocks, i == 1), 0, &data, imm_max)
                 .await;
             assert_eq!(status, 0, "WRITE(10) of {blocks} blocks");
-            let back = dev.read(lba as u64 * BLOCK as u64, data.len()).await.unwrap();
+            let back = dev
+                .read(lba as u64 * BLOCK as u64, data.len())
+                .await
+                .unwrap();
             assert_eq!(&back[..], &data[..], "the device holds what was written");
             let (status, got, _) = ini
                 .run(&read10(lba, blocks), data.len() as u32, &[], 0)
@@ -374,14 +425,29 @@ async fn login_write_read_through_every_data_path() {
 async fn commands_run_in_cmdsn_order_and_outside_the_window_are_ignored() {
     let (server, addr, dev) = start(ServerOptions::default()).await;
     let mut ini = Initiator::connect(addr).await;
-    ini.login(Some(IQN), &[("InitialR2T", "No"), ("ImmediateData", "Yes")]).await;
+    ini.login(Some(IQN), &[("InitialR2T", "No"), ("ImmediateData", "Yes")])
+        .await;
     ini.run_clear_ua(&[0u8; 6], 0, &[], 0).await; // TEST UNIT READY
     // Two writes to the same block sent with their CmdSNs swapped: the one with the
     // lower CmdSN must run first, so the second pattern wins.
     let a = pattern(512, 1);
     let b = pattern(512, 2);
-    let first = ini.command(&write10(7, 1, false), false, true, 512, Bytes::from(a.clone()), true);
-    let second = ini.command(&write10(7, 1, false), false, true, 512, Bytes::from(b.clone()), true);
+    let first = ini.command(
+        &write10(7, 1, false),
+        false,
+        true,
+        512,
+        Bytes::from(a.clone()),
+        true,
+    );
+    let second = ini.command(
+        &write10(7, 1, false),
+        false,
+        true,
+        512,
+        Bytes::from(b.clone()),
+        true,
+    );
     ini.send(Request::Command(second)).await;
     tokio::time::sleep(Duration::from_millis(50)).await;
     ini.send(Request::Command(first)).await;
@@ -401,7 +467,10 @@ async fn commands_run_in_cmdsn_order_and_outside_the_window_are_ignored() {
     ini.cmd_sn -= 1;
     ini.send(Request::Command(c)).await;
     let (status, _, _) = ini.run(&[0u8; 6], 0, &[], 0).await;
-    assert_eq!(status, 0, "the in-window command after the ignored one is answered");
+    assert_eq!(
+        status, 0,
+        "the in-window command after the ignored one is answered"
+    );
     server.shutdown();
     server.wait_idle().await;
 }
@@ -409,12 +478,21 @@ async fn commands_run_in_cmdsn_order_and_outside_the_window_are_ignored() {
 #[tokio::test]
 async fn data_in_is_split_by_the_initiators_segment_size_and_residuals_are_reported() {
     let (server, addr, dev) = start(ServerOptions::default()).await;
-    dev.write(0, Bytes::from(pattern(64 << 10, 9)), vsan_core::IoFlags::empty())
-        .await
-        .unwrap();
+    dev.write(
+        0,
+        Bytes::from(pattern(64 << 10, 9)),
+        vsan_core::IoFlags::empty(),
+    )
+    .await
+    .unwrap();
     let mut ini = Initiator::connect(addr).await;
     // The initiator accepts 4 KiB segments: a 64 KiB read comes in 16 Data-Ins.
-    let mut pairs = vec![("InitiatorName", INITIATOR), ("AuthMethod", "None"), ("TargetName", IQN), ("SessionType", "Normal")];
+    let mut pairs = vec![
+        ("InitiatorName", INITIATOR),
+        ("AuthMethod", "None"),
+        ("TargetName", IQN),
+        ("SessionType", "Normal"),
+    ];
     let itt = ini.next_itt();
     ini.login_step(itt, 0, 1, keys(&pairs)).await;
     pairs.clear();
@@ -516,8 +594,15 @@ async fn discovery_lists_the_targets_and_logout_closes_cleanly() {
     match ini.recv_reply().await {
         Reply::TextResp(t) => {
             let got = parse_keys(&t.data);
-            assert!(got.iter().any(|(k, v)| k == "TargetName" && v == IQN), "{got:?}");
-            assert!(got.iter().any(|(k, v)| k == "TargetAddress" && v.starts_with(&addr.to_string())), "{got:?}");
+            assert!(
+                got.iter().any(|(k, v)| k == "TargetName" && v == IQN),
+                "{got:?}"
+            );
+            assert!(
+                got.iter()
+                    .any(|(k, v)| k == "TargetAddress" && v.starts_with(&addr.to_string())),
+                "{got:?}"
+            );
         }
         other => panic!("unexpected {other:?}"),
     }
@@ -537,7 +622,10 @@ async fn discovery_lists_the_targets_and_logout_closes_cleanly() {
         Reply::LogoutResp(l) => assert_eq!(l.response, 0),
         other => panic!("unexpected {other:?}"),
     }
-    assert!(ini.recv().await.is_none(), "the target closes after the logout");
+    assert!(
+        ini.recv().await.is_none(),
+        "the target closes after the logout"
+    );
     server.shutdown();
     server.wait_idle().await;
 }

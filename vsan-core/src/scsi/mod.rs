@@ -448,6 +448,11 @@ impl LogicalUnit {
         &self.device
     }
 
+    /// Whether sense data is in descriptor format now (the control mode page's D_SENSE).
+    pub fn descriptor_sense(&self) -> bool {
+        self.mode.get().d_sense()
+    }
+
     /// This node's target port.
     pub fn port(&self) -> &TargetPort {
         &self.config.port
@@ -571,8 +576,8 @@ impl LogicalUnit {
     /// | ABORT TASK SET | none |
     /// | CLEAR TASK SET | the other nexuses' tasks aborted |
     /// | LOGICAL UNIT RESET | others' tasks aborted, UA 29/03 on every nexus (the issuer's too), SCSI-2 reservation released |
-    /// | TARGET WARM RESET | as LU reset with UA 29/02 |
-    /// | TARGET COLD RESET | as LU reset with UA 29/01, mode pages to defaults, PR state without APTPL cleared |
+    /// | TARGET WARM RESET | as LU reset with UA 29/02, not on the issuer |
+    /// | TARGET COLD RESET | as LU reset with UA 29/01 (not on the issuer), mode pages to defaults, PR state without APTPL cleared |
     /// | CLEAR ACA | `NotSupported` (no ACA is offered) |
     pub fn task_management(&self, nexus: &NexusHandle, function: TaskFunction) -> Result<()> {
         let me = nexus.state.id;
@@ -595,9 +600,11 @@ impl LogicalUnit {
             self.pr.write().power_on();
         }
         self.update_reserved();
-        // The reset unit attention goes to every nexus, the issuer's too (SAM-3 6.2;
-        // libiscsi's MultipathIO.Reset looks for it on every path).
-        if let Some(s) = ua {
+        // A LU reset's unit attention goes to every nexus, the issuer's too (SAM-3 6.2;
+        // libiscsi's MultipathIO.Reset looks for it on every path). A target reset's
+        // goes to the others only: the issuer knows, and for a cold reset its
+        // connection is dropped anyway.
+        if let (Some(s), TaskFunction::LunReset) = (ua, function) {
             nexus.state.push_ua(s);
         }
         for n in self.others(me) {

@@ -235,11 +235,7 @@ impl Shared {
             SessionKind::Normal { target } => Some(target),
             SessionKind::Discovery => None,
         };
-        let key = (
-            negotiated.initiator_name.clone(),
-            negotiated.isid,
-            target,
-        );
+        let key = (negotiated.initiator_name.clone(), negotiated.isid, target);
         let old: Vec<Arc<tokio::sync::Notify>> = {
             let sessions = self.sessions.lock();
             sessions
@@ -265,11 +261,7 @@ impl Shared {
                 .and_then(|t| self.targets.get(t))
                 .map_or_else(String::new, |t| t.name.clone()),
             initiator: negotiated.initiator_name.clone(),
-            isid: negotiated
-                .isid
-                .iter()
-                .map(|b| format!("{b:02x}"))
-                .collect(),
+            isid: negotiated.isid.iter().map(|b| format!("{b:02x}")).collect(),
             tsih: negotiated.tsih,
             connections: vec![peer.to_string()],
         };
@@ -387,7 +379,7 @@ impl Server {
                 })
                 .collect(),
             portal_group_tag: options.portal_group_tag,
-            limits: options.limits.clone(),
+            limits: options.limits,
         });
         Ok(Server {
             shared: Arc::new(Shared {
@@ -473,7 +465,9 @@ impl Server {
             .values()
             .map(|e| e.info.clone())
             .collect();
-        v.sort_by(|a, b| (&a.target, &a.initiator, &a.isid).cmp(&(&b.target, &b.initiator, &b.isid)));
+        v.sort_by(|a, b| {
+            (&a.target, &a.initiator, &a.isid).cmp(&(&b.target, &b.initiator, &b.isid))
+        });
         v
     }
 

@@ -32,13 +32,15 @@ use tracing::{debug, info, warn};
 
 use super::login::{Login, LoginStep, SessionKind, SessionParams};
 use super::pdu::{
-    BHS_LEN, DataIn, DataOut, Decoder, Digests, LogoutReq, LogoutResp, NopIn, NopOut,
-    PduError, R2t, Reject, Reply, Request, ScsiCommand, ScsiResponse, TaskMgmtReq,
-    TaskMgmtResp, TextReq, TextResp,
+    BHS_LEN, DataIn, DataOut, Decoder, Digests, LogoutReq, LogoutResp, NopIn, NopOut, PduError,
+    R2t, Reject, Reply, Request, ScsiCommand, ScsiResponse, TaskMgmtReq, TaskMgmtResp, TextReq,
+    TextResp,
 };
 use super::server::{SessionGuard, Shared};
 use super::text;
 use crate::error::{Error, ErrorKind, Result};
+use crate::scsi::cdb::COMPARE_AND_WRITE;
+use crate::scsi::sense::{INVALID_FIELD_IN_CDB, Sense, SenseKey};
 use crate::scsi::{self, Command, Direction, LogicalUnit, Nexus, NexusHandle, Status};
 
 /// The data segment limit during login (RFC 7143 section 13.12's default).
@@ -61,10 +63,10 @@ const RESERVED_TAG: u32 = 0xffff_ffff;
 /// is written (SAM-5: the transfer is cut to the expected length).
 fn block_write_len_field(op: u8) -> Option<(usize, usize)> {
     match op {
-        0x0a => Some((4, 1)),                // WRITE(6)
-        0x2a | 0x2e => Some((7, 2)),         // WRITE(10), WRITE AND VERIFY(10)
-        0xaa | 0xae => Some((6, 4)),         // WRITE(12), WRITE AND VERIFY(12)
-        0x8a | 0x8e => Some((10, 4)),        // WRITE(16), WRITE AND VERIFY(16)
+        0x0a => Some((4, 1)),         // WRITE(6)
+        0x2a | 0x2e => Some((7, 2)),  // WRITE(10), WRITE AND VERIFY(10)
+        0xaa | 0xae => Some((6, 4)),  // WRITE(12), WRITE AND VERIFY(12)
+        0x8a | 0x8e => Some((10, 4)), // WRITE(16), WRITE AND VERIFY(16)
         _ => None,
     }
 }
@@ -225,7 +227,10 @@ where
         };
         let Some(req) = req else { return Ok(()) };
         let Request::Login(req) = req else {
-            shared.counters.logins_refused.fetch_add(1, Ordering::Relaxed);
+            shared
+                .counters
+                .logins_refused
+                .fetch_add(1, Ordering::Relaxed);
             return Err(Error::new(
                 ErrorKind::Protocol,
                 "a PDU other than Login Request before login completed",
@@ -247,7 +252,10 @@ where
         match done {
             None => continue,
             Some(Err(())) => {
-                shared.counters.logins_refused.fetch_add(1, Ordering::Relaxed);
+                shared
+                    .counters
+                    .logins_refused
+                    .fetch_add(1, Ordering::Relaxed);
                 info!(%peer, class = status.0, detail = status.1, "login refused");
                 let _ = wr.shutdown().await;
                 return Ok(());
@@ -320,7 +328,9 @@ where
         commands: 0,
         task_bytes: 0,
     };
-    let result = conn.serve(&mut rd, &mut wr, &mut dec, &mut inbuf, &guard).await;
+    let result = conn
+        .serve(&mut rd, &mut wr, &mut dec, &mut inbuf, &guard)
+        .await;
     let commands = conn.commands;
     drop(conn);
     drop(nexus);
@@ -354,7 +364,10 @@ async fn read_pdu<R: tokio::io::AsyncRead + Unpin>(
             return if inbuf.is_empty() {
                 Ok(None)
             } else {
-                Err(Error::new(ErrorKind::Closed, "connection closed inside a PDU"))
+                Err(Error::new(
+                    ErrorKind::Closed,
+                    "connection closed inside a PDU",
+                ))
             };
         }
     }
@@ -455,8 +468,7 @@ impl<'a> Conn<'a> {
         // Anything already buffered after the last Login Request.
         self.decode_all(dec, inbuf)?;
         loop {
-            if self.closing == Closing::Drain && self.running.is_empty() && self.out.is_empty()
-            {
+            if self.closing == Closing::Drain && self.running.is_empty() && self.out.is_empty() {
                 let _ = wr.shutdown().await;
                 return Ok(());
             }
@@ -699,7 +711,15 @@ impl<'a> Conn<'a> {
                 // Answered without collecting any data: Data-Out PDUs that still come
                 // for this ITT are dropped. (It has no effect, so answering before its
                 // CmdSN turn changes nothing.)
-                self.respond(c.itt, c.lun, c.expected_len, c.read, Direction::None, resp, 0);
+                self.respond(
+                    c.itt,
+                    c.lun,
+                    c.expected_len,
+                    c.read,
+                    Direction::None,
+                    resp,
+                    0,
+                );
                 return;
             }
         };
@@ -711,6 +731,13 @@ impl<'a> Conn<'a> {
             let edtl = if c.write { c.expected_len } else { 0 };
             target = n.min(edtl);
             let op = cdb.first().copied().unwrap_or(0);
+            if op == COMPARE_AND_WRITE && edtl != n {
+                // Its data-out is the verify and the write data together: a different
+                // length is a malformed command, not a cut transfer (SBC-3 5.2).
+                let resp = INVALID_FIELD_IN_CDB.response(lu.descriptor_sense());
+                self.respond(c.itt, c.lun, c.expected_len, c.read, dir, resp, 0);
+                return;
+            }
             if edtl < n {
                 if let Some((at, width)) = block_write_len_field(op) {
                     if edtl % block != 0 {
@@ -722,7 +749,8 @@ impl<'a> Conn<'a> {
                             c.expected_len,
                             c.read,
                             dir,
-                            invalid_information_unit(),
+                            Sense::new(SenseKey::IllegalRequest, 0x0e, 0x03)
+                                .response(lu.descriptor_sense()),
                             0,
                         );
                         return;
@@ -768,7 +796,15 @@ impl<'a> Conn<'a> {
                 sense: Bytes::new(),
                 data: Bytes::new(),
             };
-            self.respond(c.itt, c.lun, c.expected_len, c.read, Direction::None, full, 0);
+            self.respond(
+                c.itt,
+                c.lun,
+                c.expected_len,
+                c.read,
+                Direction::None,
+                full,
+                0,
+            );
             return;
         }
         self.task_bytes += cost;
@@ -858,6 +894,35 @@ impl<'a> Conn<'a> {
 
     /// A Data-Out PDU.
     fn data_out(&mut self, d: DataOut) -> Result<()> {
+        match self.take_data(&d) {
+            Ok(()) => {}
+            Err((ascq, what)) => {
+                // A broken data sequence fails its command (ABORTED COMMAND, 4B/xx) and
+                // the connection goes on; Data-Out that still comes for it is dropped.
+                warn!(peer = %self.peer, itt = d.itt, "Data-Out: {what}: the command fails");
+                if let Some(task) = self.drop_task(d.itt) {
+                    let descriptor = self.lu.is_some_and(|(lu, _)| lu.descriptor_sense());
+                    let resp =
+                        Sense::new(SenseKey::AbortedCommand, 0x4b, ascq).response(descriptor);
+                    self.respond(
+                        d.itt,
+                        task.lun_raw,
+                        task.edtl,
+                        task.read,
+                        Direction::None,
+                        resp,
+                        task.r2t_sn,
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// File a Data-Out's data in its task; `Err` names the sequence error (the ASCQ
+    /// under ASC 4B: 00 DATA PHASE ERROR, 01 INVALID TARGET PORT TRANSFER TAG, 02 TOO
+    /// MUCH WRITE DATA, 05 DATA OFFSET ERROR).
+    fn take_data(&mut self, d: &DataOut) -> std::result::Result<(), (u8, String)> {
         let Some(task) = self.tasks.get_mut(&d.itt) else {
             // For a task already answered (refused without its data, or aborted).
             debug!(peer = %self.peer, itt = d.itt, "Data-Out for no task: dropped");
@@ -875,36 +940,42 @@ impl<'a> Conn<'a> {
             return Ok(());
         };
         let len = d.data.len() as u32;
-        let broken = |what: &str| {
-            Err(Error::new(
-                ErrorKind::Protocol,
-                format!("Data-Out for ITT {:#x}: {what}", d.itt),
-            ))
-        };
         // Which sequence it belongs to, and its DataSN and offset checks.
         let seq_end;
         if d.ttt == RESERVED_TAG {
             let Some((sn, offset)) = unsolicited.as_mut() else {
-                return broken("unsolicited data after the unsolicited sequence ended");
+                return Err((
+                    0x00,
+                    "unsolicited data after the unsolicited sequence ended".into(),
+                ));
             };
             if d.data_sn != *sn {
-                return broken(&format!("DataSN {} where {} was due", d.data_sn, sn));
+                return Err((0x00, format!("DataSN {} where {} was due", d.data_sn, sn)));
             }
             if self.params.data_pdu_in_order && d.offset != *offset {
-                return broken(&format!("offset {} where {} was due", d.offset, offset));
+                return Err((
+                    0x05,
+                    format!("offset {} where {} was due", d.offset, offset),
+                ));
             }
             *sn += 1;
             *offset = d.offset.saturating_add(len);
             seq_end = self.params.first_burst_length;
         } else {
             let Some(r) = r2ts.iter_mut().find(|r| r.ttt == d.ttt) else {
-                return broken(&format!("unknown TTT {:#x}", d.ttt));
+                return Err((0x01, format!("unknown TTT {:#x}", d.ttt)));
             };
             if d.data_sn != r.next_sn {
-                return broken(&format!("DataSN {} where {} was due", d.data_sn, r.next_sn));
+                return Err((
+                    0x00,
+                    format!("DataSN {} where {} was due", d.data_sn, r.next_sn),
+                ));
             }
             if self.params.data_pdu_in_order && d.offset != r.next_offset {
-                return broken(&format!("offset {} where {} was due", d.offset, r.next_offset));
+                return Err((
+                    0x05,
+                    format!("offset {} where {} was due", d.offset, r.next_offset),
+                ));
             }
             r.next_sn += 1;
             r.next_offset = d.offset.saturating_add(len);
@@ -912,7 +983,7 @@ impl<'a> Conn<'a> {
         }
         let end = d.offset as u64 + len as u64;
         if end > seq_end as u64 && end > buf.len() as u64 {
-            return broken("more data than the sequence asked for");
+            return Err((0x02, "more data than the sequence asked for".into()));
         }
         // Data past what the logical unit takes (the initiator sends more than the CDB
         // moves) is dropped.
@@ -957,8 +1028,7 @@ impl<'a> Conn<'a> {
                 sense: Bytes::new(),
                 data: Bytes::new(),
             };
-            self.running
-                .push(Box::pin(std::future::ready((itt, done))));
+            self.running.push(Box::pin(std::future::ready((itt, done))));
             return;
         }
         let command = Command {
@@ -978,10 +1048,21 @@ impl<'a> Conn<'a> {
             return;
         };
         self.commands += 1;
-        self.shared.counters.commands.fetch_add(1, Ordering::Relaxed);
+        self.shared
+            .counters
+            .commands
+            .fetch_add(1, Ordering::Relaxed);
         match task.aborted {
             None => {
-                self.respond(itt, task.lun_raw, task.edtl, task.read, task.dir, resp, task.r2t_sn);
+                self.respond(
+                    itt,
+                    task.lun_raw,
+                    task.edtl,
+                    task.read,
+                    task.dir,
+                    resp,
+                    task.r2t_sn,
+                );
             }
             Some(tas) => {
                 if tas {
@@ -990,7 +1071,15 @@ impl<'a> Conn<'a> {
                         sense: Bytes::new(),
                         data: Bytes::new(),
                     };
-                    self.respond(itt, task.lun_raw, task.edtl, task.read, Direction::None, aborted, task.r2t_sn);
+                    self.respond(
+                        itt,
+                        task.lun_raw,
+                        task.edtl,
+                        task.read,
+                        Direction::None,
+                        aborted,
+                        task.r2t_sn,
+                    );
                 }
             }
         }
@@ -1220,8 +1309,7 @@ impl<'a> Conn<'a> {
                     if matches!(self.pending.get(&cmd_sn), Some(Pending::Scsi(i)) if *i == t.ref_itt)
                     {
                         // Its CmdSN turn still comes, with nothing to do.
-                        self.pending
-                            .insert(cmd_sn, Pending::Nothing);
+                        self.pending.insert(cmd_sn, Pending::Nothing);
                     }
                     Vec::new()
                 };
@@ -1384,21 +1472,6 @@ impl<'a> Conn<'a> {
             self.abandon_all();
             self.close_after_flush = true;
         }
-    }
-}
-
-/// ILLEGAL REQUEST, INVALID FIELD IN INFORMATION UNIT (0E/03), fixed format.
-fn invalid_information_unit() -> scsi::Response {
-    let mut s = vec![0u8; 18];
-    s[0] = 0x70;
-    s[2] = 0x05;
-    s[7] = 10;
-    s[12] = 0x0e;
-    s[13] = 0x03;
-    scsi::Response {
-        status: Status::CheckCondition,
-        sense: Bytes::from(s),
-        data: Bytes::new(),
     }
 }
 
