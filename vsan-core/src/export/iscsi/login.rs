@@ -444,6 +444,14 @@ impl Login {
                 );
             }
         }
+        if out.as_bytes().len() > DEFAULT_MAX_DATA_SEGMENT as usize {
+            // The initiator takes 8192 bytes per PDU during login, and we do not split
+            // answers over C-bit responses: only a flood of keys gets here.
+            return Err(Refusal(
+                status::INITIATOR_ERROR,
+                "too many keys to answer in one response",
+            ));
+        }
         let authenticated = match &self.auth {
             Auth::None => true,
             Auth::Chap(c) => c.done(),

@@ -662,3 +662,21 @@ fn debug_output_never_shows_a_secret() {
     let shown = format!("{l:?} {:?}", config());
     assert!(!shown.contains("initiator-secret") && !shown.contains("target-secret"));
 }
+
+#[test]
+fn a_flood_of_keys_too_long_to_answer_in_one_response_is_refused() {
+    let mut l = Login::new(config(), 1);
+    cont(l.step(&first(TARGET, "None")));
+    let mut text = Vec::new();
+    for i in 0..700 {
+        text.extend_from_slice(format!("X-k{i}=1\0").as_bytes());
+    }
+    let (a, b) = text.split_at(6000);
+    let mut r = req(1, 3, false, &[]);
+    r.cont = true;
+    r.data = Bytes::copy_from_slice(a);
+    cont(l.step(&r));
+    let mut r = req(1, 3, true, &[]);
+    r.data = Bytes::copy_from_slice(b);
+    assert_eq!(refused(l.step(&r)), status::INITIATOR_ERROR);
+}
