@@ -680,3 +680,65 @@ fn a_flood_of_keys_too_long_to_answer_in_one_response_is_refused() {
     r.data = Bytes::copy_from_slice(b);
     assert_eq!(refused(l.step(&r)), status::INITIATOR_ERROR);
 }
+
+#[test]
+fn a_libiscsi_style_chap_login_with_transit_asked_early_and_upper_case_hex() {
+    // libiscsi asks to transit on the AuthMethod offer and again with the response, and
+    // writes hex in upper case.
+    let mut l = Login::new(config(), 9);
+    let r = cont(l.step(&first(MUTUAL, "CHAP,None")));
+    assert!(!r.transit);
+    let r = cont(l.step(&req(0, 1, false, &[("CHAP_A", "5")])));
+    assert_eq!(get(&r, "CHAP_A").as_deref(), Some("5"));
+    let id: u8 = get(&r, "CHAP_I").unwrap().parse().unwrap();
+    let c = decode_binary(&get(&r, "CHAP_C").unwrap()).unwrap();
+    let resp = encode_hex(&reference("5", id, b"initiator-secret", &c)).to_uppercase();
+    let resp = format!("0x{}", &resp[2..]);
+    let mine = [0x11u8; 32];
+    let r = cont(l.step(&req(
+        0,
+        1,
+        true,
+        &[
+            ("CHAP_N", "host1"),
+            ("CHAP_R", &resp),
+            ("CHAP_I", "1"),
+            (
+                "CHAP_C",
+                &encode_hex(&mine).to_uppercase().replacen("0X", "0x", 1),
+            ),
+        ],
+    )));
+    assert!(r.transit && r.csg == 0 && r.nsg == 1);
+    let got = get(&r, "CHAP_R").unwrap();
+    assert_eq!(got.len(), 2 + 32, "an MD5-sized answer");
+    assert_eq!(
+        decode_binary(&got).unwrap(),
+        reference("5", 1, b"target-secret-1", &mine)
+    );
+    let (_, n) = operational(
+        &mut l,
+        &[
+            ("HeaderDigest", "None,CRC32C"),
+            ("DataDigest", "None"),
+            ("InitialR2T", "Yes"),
+            ("ImmediateData", "Yes"),
+            ("MaxBurstLength", "262144"),
+            ("FirstBurstLength", "262144"),
+            ("DefaultTime2Wait", "2"),
+            ("DefaultTime2Retain", "0"),
+            ("MaxOutstandingR2T", "1"),
+            ("ErrorRecoveryLevel", "0"),
+            ("IFMarker", "No"),
+            ("OFMarker", "No"),
+            ("MaxConnections", "1"),
+            ("MaxRecvDataSegmentLength", "262144"),
+            ("DataPDUInOrder", "Yes"),
+            ("DataSequenceInOrder", "Yes"),
+        ],
+    );
+    assert_eq!(n.kind, SessionKind::Normal { target: 2 });
+    assert!(!n.params.header_digest);
+    assert_eq!(n.params.default_time2retain, 0);
+    assert_eq!(n.params.first_burst_length, 262_144);
+}
