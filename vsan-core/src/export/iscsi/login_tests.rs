@@ -742,3 +742,19 @@ fn a_libiscsi_style_chap_login_with_transit_asked_early_and_upper_case_hex() {
     assert_eq!(n.params.default_time2retain, 0);
     assert_eq!(n.params.first_burst_length, 262_144);
 }
+
+#[test]
+fn target_only_keys_from_the_initiator_are_an_initiator_error() {
+    // Found by the iscsi_login fuzz target: an initiator's TargetAlias used to be answered
+    // beside our own, putting the key twice in one response.
+    for key in ["TargetAlias", "TargetPortalGroupTag", "TargetAddress"] {
+        let mut r = first(TARGET, "None");
+        let mut data = r.data.to_vec();
+        data.extend_from_slice(format!("{key}=1\0").as_bytes());
+        r.data = Bytes::from(data);
+        assert_eq!(
+            refused(Login::new(config(), 1).step(&r)),
+            status::INITIATOR_ERROR
+        );
+    }
+}
