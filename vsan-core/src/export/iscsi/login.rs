@@ -444,6 +444,14 @@ impl Login {
                 );
             }
         }
+        if out.as_bytes().len() > DEFAULT_MAX_DATA_SEGMENT as usize {
+            // The initiator takes 8192 bytes per PDU during login, and we do not split
+            // answers over C-bit responses: only a flood of keys gets here.
+            return Err(Refusal(
+                status::INITIATOR_ERROR,
+                "too many keys to answer in one response",
+            ));
+        }
         let authenticated = match &self.auth {
             Auth::None => true,
             Auth::Chap(c) => c.done(),
@@ -764,10 +772,13 @@ impl Login {
                 None => reply(key, answer::REJECT),
             },
             "InitiatorAlias" => self.initiator_alias = Some(v.to_string()),
-            // Keys only a target sends, or only in the full feature phase.
-            "TargetAlias" | "TargetAddress" | "TargetPortalGroupTag" | "SendTargets" => {
-                reply(key, answer::IRRELEVANT)
+            // Keys only a target sends: an initiator sending one is in error (and an
+            // answer could clash with our own TargetAlias or TargetPortalGroupTag).
+            "TargetAlias" | "TargetAddress" | "TargetPortalGroupTag" => {
+                return Err(Refusal(status::INITIATOR_ERROR, "a target-only key"));
             }
+            // Only in the full feature phase.
+            "SendTargets" => reply(key, answer::IRRELEVANT),
             // Anything else, X- extensions included, and the keys of RFC 7143's
             // extensions we do not implement (iSCSIProtocolLevel, TaskReporting).
             _ => reply(key, answer::NOT_UNDERSTOOD),
