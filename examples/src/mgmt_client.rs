@@ -791,6 +791,47 @@ mod tests {
     }
 
     #[test]
+    fn iscsi_targets_and_sessions_are_shown() {
+        let mut s = connected();
+        assert_eq!(iscsi_json(&s), Value::Null);
+        assert_eq!(iscsi_lines(&s), "");
+        s.iscsi_target = "iqn.2026-12.io.vsan:vol0".into();
+        s.iscsi_portal = "127.0.0.1:3260".into();
+        s.iscsi_sessions = vec![v1::IscsiSession {
+            initiator: "iqn.1994-05.com.redhat:host".into(),
+            isid: "400001370000".into(),
+            tsih: 1,
+            connections: vec!["127.0.0.1:51234".into()],
+        }];
+        let j = disk_json(&s);
+        assert_eq!(j["iscsi"]["target"], "iqn.2026-12.io.vsan:vol0");
+        assert_eq!(j["iscsi"]["sessions"][0]["isid"], "400001370000");
+        assert_eq!(
+            j["iscsi"]["sessions"][0]["connections"][0],
+            "127.0.0.1:51234"
+        );
+        let lines = iscsi_lines(&s);
+        assert!(
+            lines.contains("iqn.2026-12.io.vsan:vol0 on 127.0.0.1:3260, 1 session\n"),
+            "{lines}"
+        );
+        assert!(
+            lines.contains(
+                "iqn.1994-05.com.redhat:host isid 400001370000 tsih 1, 1 connection \
+                 (127.0.0.1:51234)"
+            ),
+            "{lines}"
+        );
+        assert!(
+            status_details(&s).contains("session:"),
+            "{}",
+            status_details(&s)
+        );
+        let t = format_table(&status_rows(&[s]));
+        assert!(t.contains("127.0.0.1:3260 (1 session)"), "{t}");
+    }
+
+    #[test]
     fn people_numbers() {
         assert_eq!(human_bytes(512), "512 B");
         assert_eq!(human_bytes(16 << 20), "16 MiB");
