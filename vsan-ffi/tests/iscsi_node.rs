@@ -281,6 +281,51 @@ fn management_status_lists_the_target() {
     });
 }
 
+#[cfg(feature = "mgmt")]
+#[test]
+fn deleting_a_disk_stops_its_portal_unless_another_disk_shares_it() {
+    use vsan_replica::mgmt::v1;
+    use vsan_replica::mgmt::v1::mgmt_client::MgmtClient;
+    runtime().block_on(async {
+        let cfg = config(
+            "mgmt = \"127.0.0.1:0\"",
+            &(mem_disk("a", "iscsi = \"127.0.0.1:0\"")
+                + &mem_disk("b", "iscsi = \"127.0.0.1:0\"")
+                + &mem_disk("c", "iscsi = \"127.0.0.2:0\"")),
+        );
+        let node = Node::start(&cfg, StartOptions::default()).await.unwrap();
+        let mut client = MgmtClient::connect(format!("http://{}", node.mgmt_address().unwrap()))
+            .await
+            .unwrap();
+        let delete = |name: &str| v1::DeleteDiskRequest {
+            name: name.into(),
+            force: false,
+            remove_files: false,
+        };
+        let refused = client.delete_disk(delete("a")).await.unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::FailedPrecondition, "{refused}");
+        assert!(
+            refused.message().contains("shares its iSCSI portal")
+                && refused.message().contains("iqn.2026-12.io.vsan:b"),
+            "{refused}"
+        );
+        assert!(node.disk("a").is_some(), "a refused delete leaves the disk");
+        client.delete_disk(delete("c")).await.unwrap();
+        assert!(node.disk("c").is_none());
+        let names: Vec<String> = client
+            .list_disks(v1::ListDisksRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .disks
+            .into_iter()
+            .map(|d| d.name)
+            .collect();
+        assert_eq!(names, ["a", "b"]);
+        node.shutdown().await.unwrap();
+    });
+}
+
 #[cfg(feature = "metrics")]
 #[test]
 fn metrics_count_iscsi_per_portal() {
