@@ -358,7 +358,54 @@ pub fn disk_json(s: &v1::DiskStatus) -> Value {
         })),
         "nbd": text_or_null(&s.nbd),
         "nbd_clients": s.nbd_clients,
+        "iscsi": iscsi_json(s),
     })
+}
+
+/// A disk's iSCSI target as JSON: `null` without one, else its name, portal and
+/// sessions (`initiator`, `isid`, `tsih`, `connections`).
+pub fn iscsi_json(s: &v1::DiskStatus) -> Value {
+    if s.iscsi_target.is_empty() {
+        return Value::Null;
+    }
+    json!({
+        "target": s.iscsi_target,
+        "portal": s.iscsi_portal,
+        "sessions": s.iscsi_sessions.iter().map(|x| json!({
+            "initiator": x.initiator,
+            "isid": x.isid,
+            "tsih": x.tsih,
+            "connections": x.connections,
+        })).collect::<Vec<_>>(),
+    })
+}
+
+/// A disk's iSCSI target and its sessions, one line each (empty without a target):
+/// `iscsi:        iqn.2026-12.io.vsan:vol0 on 127.0.0.1:3260, 1 session`, then per
+/// session `  session:    iqn.1994-05.com.redhat:host isid 400001370000 tsih 1,
+/// 1 connection (127.0.0.1:51234)`.
+pub fn iscsi_lines(s: &v1::DiskStatus) -> String {
+    if s.iscsi_target.is_empty() {
+        return String::new();
+    }
+    let plural = |n: usize, word: &str| format!("{n} {word}{}", if n == 1 { "" } else { "s" });
+    let mut out = format!(
+        "iscsi:        {} on {}, {}\n",
+        s.iscsi_target,
+        s.iscsi_portal,
+        plural(s.iscsi_sessions.len(), "session")
+    );
+    for x in &s.iscsi_sessions {
+        out += &format!(
+            "  session:    {} isid {} tsih {}, {} ({})\n",
+            x.initiator,
+            x.isid,
+            x.tsih,
+            plural(x.connections.len(), "connection"),
+            x.connections.join(", ")
+        );
+    }
+    out
 }
 
 /// A node's disks as JSON: `{"node_id": 1, "disks": [...]}`.
@@ -427,7 +474,7 @@ fn serving_cell(s: &v1::DiskStatus) -> String {
 }
 
 /// The table's header and one row per disk.
-pub fn status_rows(disks: &[v1::DiskStatus]) -> Vec<[String; 10]> {
+pub fn status_rows(disks: &[v1::DiskStatus]) -> Vec<[String; 11]> {
     let mut rows = vec![
         [
             "DISK",
@@ -440,6 +487,7 @@ pub fn status_rows(disks: &[v1::DiskStatus]) -> Vec<[String; 10]> {
             "CACHE",
             "QUORUM",
             "NBD",
+            "ISCSI",
         ]
         .map(String::from),
     ];
@@ -485,6 +533,17 @@ pub fn status_rows(disks: &[v1::DiskStatus]) -> Vec<[String; 10]> {
                 if s.nbd_clients == 1 { "" } else { "s" }
             )
         };
+        let iscsi = if s.iscsi_target.is_empty() {
+            "-".to_string()
+        } else {
+            let n = s.iscsi_sessions.len();
+            format!(
+                "{} ({} session{})",
+                s.iscsi_portal,
+                n,
+                if n == 1 { "" } else { "s" }
+            )
+        };
         rows.push([
             s.name.clone(),
             human_bytes(s.size),
@@ -496,6 +555,7 @@ pub fn status_rows(disks: &[v1::DiskStatus]) -> Vec<[String; 10]> {
             cache,
             quorum,
             nbd,
+            iscsi,
         ]);
     }
     rows
@@ -560,6 +620,7 @@ pub fn status_details(s: &v1::DiskStatus) -> String {
     } else if s.freshness == "current" {
         out += &format!("freshness:    current (proved by: {})\n", s.freshness_proof);
     }
+    out += &iscsi_lines(s);
     if let Some(l) = &s.last_sync {
         out += &format!("last sync:    {}\n", summary_sentence(l));
     }
@@ -727,6 +788,47 @@ mod tests {
         let at = lines[0].find("LINK").unwrap();
         assert_eq!(&lines[1][at..at + 9], "connected");
         assert_eq!(&lines[2][at..at + 8], "degraded");
+    }
+
+    #[test]
+    fn iscsi_targets_and_sessions_are_shown() {
+        let mut s = connected();
+        assert_eq!(iscsi_json(&s), Value::Null);
+        assert_eq!(iscsi_lines(&s), "");
+        s.iscsi_target = "iqn.2026-12.io.vsan:vol0".into();
+        s.iscsi_portal = "127.0.0.1:3260".into();
+        s.iscsi_sessions = vec![v1::IscsiSession {
+            initiator: "iqn.1994-05.com.redhat:host".into(),
+            isid: "400001370000".into(),
+            tsih: 1,
+            connections: vec!["127.0.0.1:51234".into()],
+        }];
+        let j = disk_json(&s);
+        assert_eq!(j["iscsi"]["target"], "iqn.2026-12.io.vsan:vol0");
+        assert_eq!(j["iscsi"]["sessions"][0]["isid"], "400001370000");
+        assert_eq!(
+            j["iscsi"]["sessions"][0]["connections"][0],
+            "127.0.0.1:51234"
+        );
+        let lines = iscsi_lines(&s);
+        assert!(
+            lines.contains("iqn.2026-12.io.vsan:vol0 on 127.0.0.1:3260, 1 session\n"),
+            "{lines}"
+        );
+        assert!(
+            lines.contains(
+                "iqn.1994-05.com.redhat:host isid 400001370000 tsih 1, 1 connection \
+                 (127.0.0.1:51234)"
+            ),
+            "{lines}"
+        );
+        assert!(
+            status_details(&s).contains("session:"),
+            "{}",
+            status_details(&s)
+        );
+        let t = format_table(&status_rows(&[s]));
+        assert!(t.contains("127.0.0.1:3260 (1 session)"), "{t}");
     }
 
     #[test]

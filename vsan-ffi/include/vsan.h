@@ -349,7 +349,8 @@ vsan_result vsan_last_error_message(char *buf, size_t len, size_t *out_len);
 // `vsan-node` config format: `[node]`, `[[peer]]`, `[[disk]]`, see the README).
 //
 // Creates or opens every disk's image, cache and metadata, starts mirroring (dialing or
-// waiting for the peers), and serves over NBD the disks that have an `nbd` address.
+// waiting for the peers), serves over NBD the disks that have an `nbd` address and as
+// iSCSI targets those with an `iscsi` portal (with their CHAP settings).
 // The node runs on a runtime of its own (`node.threads` worker threads, default: one per
 // core), which also runs completion callbacks.
 //
@@ -378,9 +379,9 @@ vsan_result vsan_node_new_from_file(const char *path, vsan_node **out);
 
 // Close a node: refuse new calls on it and its disks, wait for calls and asynchronous
 // I/Os in flight to finish (up to 30 s; I/Os still running then are cancelled and
-// their callbacks get `VSAN_ERR_CLOSED`), stop NBD service, flush every disk, close the
-// mirrors (metadata marked clean) and caches (everything destaged), and stop the
-// node's threads.
+// their callbacks get `VSAN_ERR_CLOSED`), stop NBD and iSCSI service, flush every disk,
+// close the mirrors (metadata marked clean) and caches (everything destaged), and stop
+// the node's threads.
 //
 // The handle and the handles of the node's disks are invalid afterwards, whatever the
 // result: using or closing them again gets `VSAN_ERR_BAD_HANDLE`. Returns an error

@@ -2,7 +2,8 @@
 //!
 //! Two halves:
 //! - [`node`]: a vsan node as a Rust library: its configuration (TOML), the disks
-//!   (images, caches, mirrors), replication links, NBD exports, the management service
+//!   (images, caches, mirrors), replication links, NBD exports and iSCSI targets, the
+//!   management service
 //!   (feature `mgmt`) and the metrics endpoint. `vsan-node` is a thin program over it.
 //! - `capi/`: the C ABI over those nodes (the `vsan_*` functions and constants,
 //!   re-exported at the crate root), so a config behaves the same from C as in

@@ -8,8 +8,15 @@
 //! Exit codes: 0 clean shutdown, 1 runtime failure, 2 bad configuration (one line on
 //! stderr naming the key and the problem).
 //!
+//! A disk with an `iscsi` portal is also (or only) an iSCSI target there, LUN 0 of
+//! `iqn.2026-12.io.vsan:<name>` unless `iscsi_target` names it, with CHAP when
+//! `iscsi_chap_*` (on the disk, or in `[node]` for every disk) say so; disks sharing a
+//! portal are targets of one server. A portal beyond loopback with a target without CHAP
+//! logs a warning.
+//!
 //! Once all listeners are bound it prints one line per disk on stdout,
-//! `ready disk=<name> nbd=<address>`, with the actual port when the config said port 0.
+//! `ready disk=<name> nbd=<address>`, with the actual port when the config said port 0,
+//! then one per iSCSI target, `ready disk=<name> iscsi=<portal> target=<iqn>`.
 //! With `node.metrics` it prints `ready metrics=<address>` before those: the node's
 //! metrics (per-disk I/O counts, bytes and latency, mirror link and resync state, cache
 //! dirty bytes) in the Prometheus text format at `GET /metrics` there. With `node.mgmt`
@@ -65,7 +72,7 @@ use vsan_replica::protocol::{Awaiting, Freshness, LinkState, SyncKind, SyncRole}
 #[derive(Parser, Debug)]
 #[command(
     version,
-    about = "vsan node daemon: serves the configured disks over NBD"
+    about = "vsan node daemon: serves the configured disks over NBD and iSCSI"
 )]
 struct Args {
     /// Path of the node configuration (TOML).

@@ -3,7 +3,8 @@
 //!
 //! ```text
 //! vsanctl [--node ADDR] [--token T | --token-file F] [--tls-ca PEM] [--json] COMMAND
-//!   status [DISK]            the node's disks (or one) as a table; --json for scripts
+//!   status [DISK]            the node's disks (or one) as a table, with each disk's iSCSI
+//!                            target and its sessions; --json for scripts
 //!   list                     the node's disk names
 //!   watch DISK               follow a resync or verify with a progress bar
 //!   discard-my-data DISK     resolve a split brain: this node's changes go
@@ -439,6 +440,11 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                 for s in &r.disks {
                     if !s.last_problem.is_empty() {
                         println!("{}: last problem: {}", s.name, s.last_problem);
+                    }
+                }
+                for s in &r.disks {
+                    for line in mc::iscsi_lines(s).lines() {
+                        println!("{}: {}", s.name, line.trim_start());
                     }
                 }
             }

@@ -244,7 +244,8 @@ fn open_node(config: Config, out: *mut *mut vsan_node) -> Result<(), Failure> {
 /// `vsan-node` config format: `[node]`, `[[peer]]`, `[[disk]]`, see the README).
 ///
 /// Creates or opens every disk's image, cache and metadata, starts mirroring (dialing or
-/// waiting for the peers), and serves over NBD the disks that have an `nbd` address.
+/// waiting for the peers), serves over NBD the disks that have an `nbd` address and as
+/// iSCSI targets those with an `iscsi` portal (with their CHAP settings).
 /// The node runs on a runtime of its own (`node.threads` worker threads, default: one per
 /// core), which also runs completion callbacks.
 ///
@@ -306,9 +307,9 @@ pub unsafe extern "C" fn vsan_node_new_from_file(
 
 /// Close a node: refuse new calls on it and its disks, wait for calls and asynchronous
 /// I/Os in flight to finish (up to 30 s; I/Os still running then are cancelled and
-/// their callbacks get `VSAN_ERR_CLOSED`), stop NBD service, flush every disk, close the
-/// mirrors (metadata marked clean) and caches (everything destaged), and stop the
-/// node's threads.
+/// their callbacks get `VSAN_ERR_CLOSED`), stop NBD and iSCSI service, flush every disk,
+/// close the mirrors (metadata marked clean) and caches (everything destaged), and stop
+/// the node's threads.
 ///
 /// The handle and the handles of the node's disks are invalid afterwards, whatever the
 /// result: using or closing them again gets `VSAN_ERR_BAD_HANDLE`. Returns an error

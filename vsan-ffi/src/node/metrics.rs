@@ -22,7 +22,7 @@
 //! is state rather than a count (link state, resync bytes left, cache dirty bytes) is
 //! read from the disks when a scrape asks, so it is never stale.
 //!
-//! The metrics, all labelled `disk="<name>"`:
+//! The metrics, labelled `disk="<name>"` (the iSCSI portal counters `portal="<address>"`):
 //!
 //! | name | type | what |
 //! |---|---|---|
@@ -43,7 +43,15 @@
 //! | `vsan_cache_read_hits_total`, `vsan_cache_read_misses_total` | counter | blocks read from the cache / the backing store |
 //! | `vsan_cache_destaged_bytes_total` | counter | log bytes destaged |
 //!
-//! Mirror metrics exist for mirrored disks, cache metrics for cached ones.
+//! | `vsan_iscsi_commands_total{portal}` | counter | SCSI commands completed by the portal's iSCSI server (labelled `portal`, not `disk`: one server serves every target on its portal) |
+//! | `vsan_iscsi_sessions_total{portal}` | counter | iSCSI sessions that completed login there (discovery and normal) |
+//! | `vsan_iscsi_sessions_open{portal}` | gauge | iSCSI sessions open there now |
+//! | `vsan_iscsi_logins_refused_total{portal}` | counter | logins refused there (authentication, bad keys, unknown target) |
+//! | `vsan_iscsi_target_sessions{target}` | gauge | sessions logged in to the disk's iSCSI target |
+//!
+//! Mirror metrics exist for mirrored disks, cache metrics for cached ones, iSCSI metrics
+//! for disks with a target (iSCSI I/O is also counted by the `vsan_disk_*` metrics: it
+//! enters the disk through the same counted device).
 
 use std::convert::Infallible;
 use std::fmt;
@@ -73,6 +81,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
 use tokio::task::{JoinHandle, JoinSet};
 use tracing::{debug, warn};
+use vsan_core::export::iscsi::ServerStats;
 use vsan_core::{BlockDevice, Geometry, IoFlags, IoFuture, Result};
 use vsan_replica::protocol::{Freshness, LinkState};
 
@@ -610,8 +619,78 @@ impl Collector for DiskStates {
                 }
             }
         }
-        Ok(())
+        iscsi_metrics(&disks, &mut encoder)
     }
+}
+
+/// The iSCSI metrics: per portal, its server's counters (one server serves every
+/// target on its portal); per disk, the sessions logged in to its target.
+fn iscsi_metrics(
+    disks: &[NodeDisk],
+    encoder: &mut DescriptorEncoder,
+) -> std::result::Result<(), fmt::Error> {
+    use MetricType::{Counter as C, Gauge as G};
+    let mut portals: Vec<(&str, ServerStats)> = Vec::new();
+    for t in disks.iter().filter_map(|d| d.iscsi.as_ref()) {
+        if !portals.iter().any(|(p, _)| *p == t.portal) {
+            portals.push((t.portal.as_str(), t.server.stats()));
+        }
+    }
+    if portals.is_empty() {
+        return Ok(());
+    }
+    type Stat = fn(&ServerStats) -> u64;
+    let rows: [(&str, &str, MetricType, Stat); 4] = [
+        (
+            "vsan_iscsi_commands",
+            "SCSI commands the portal's iSCSI server completed.",
+            C,
+            |s| s.commands,
+        ),
+        (
+            "vsan_iscsi_sessions",
+            "iSCSI sessions that completed login on the portal (discovery and normal).",
+            C,
+            |s| s.sessions_total,
+        ),
+        (
+            "vsan_iscsi_sessions_open",
+            "iSCSI sessions open on the portal now.",
+            G,
+            |s| s.sessions_open,
+        ),
+        (
+            "vsan_iscsi_logins_refused",
+            "Logins the portal refused (authentication, bad keys, unknown target).",
+            C,
+            |s| s.logins_refused,
+        ),
+    ];
+    for (name, help, kind, stat) in rows {
+        let mut metric = encoder.encode_descriptor(name, help, None, kind)?;
+        for (portal, s) in &portals {
+            let labels = [("portal", *portal)];
+            let encoder = metric.encode_family(&labels)?;
+            if kind == C {
+                ConstCounter::new(stat(s)).encode(encoder)?;
+            } else {
+                gauge(stat(s)).encode(encoder)?;
+            }
+        }
+    }
+    let mut metric = encoder.encode_descriptor(
+        "vsan_iscsi_target_sessions",
+        "iSCSI sessions logged in to the disk's target.",
+        None,
+        G,
+    )?;
+    for d in disks {
+        if let Some(t) = &d.iscsi {
+            let labels = [("disk", d.name.as_str()), ("target", t.target.as_str())];
+            gauge(t.sessions().len() as u64).encode(metric.encode_family(&labels)?)?;
+        }
+    }
+    Ok(())
 }
 
 /// A node's metrics before it serves them: the registry, with the listener already
@@ -907,6 +986,7 @@ mod tests {
             peer_id: None,
             transport: None,
             nbd: None,
+            iscsi: None,
             cache: None,
         };
         let endpoint = metrics.serve(move || vec![disk.clone()]);

@@ -222,6 +222,20 @@ pub(crate) fn status_of(d: &NodeDisk) -> v1::DiskStatus {
             .map_or(0, |(_, server)| server.open_connections() as u32),
         ..Default::default()
     };
+    if let Some(t) = &d.iscsi {
+        s.iscsi_target = t.target.clone();
+        s.iscsi_portal = t.portal.clone();
+        s.iscsi_sessions = t
+            .sessions()
+            .into_iter()
+            .map(|x| v1::IscsiSession {
+                initiator: x.initiator,
+                isid: x.isid,
+                tsih: u32::from(x.tsih),
+                connections: x.connections,
+            })
+            .collect();
+    }
     if let Some(m) = &d.mirror {
         let st = m.status();
         s.link = match st.link {
@@ -744,6 +758,7 @@ async fn create(shared: &Shared, d: &DiskSection) -> Result<NodeDisk, Status> {
         peer_id: d.peer,
         transport: peer.map(|(_, p)| p.transport.word().to_string()),
         nbd: None,
+        iscsi: None,
         cache: None,
     };
     if let Some((addr, listener)) = nbd {
@@ -777,8 +792,8 @@ async fn create(shared: &Shared, d: &DiskSection) -> Result<NodeDisk, Status> {
     Ok(nd)
 }
 
-/// Delete `disk` from the node: its NBD service stops (refused while clients are
-/// connected unless `force`), its mirror link stops, it is flushed and closed, and with
+/// Delete `disk` from the node: its NBD service and iSCSI portal stop (refused while
+/// clients or sessions are connected unless `force`, and when another disk shares them), its mirror link stops, it is flushed and closed, and with
 /// `remove_files` its image and metadata are removed. Returns what was done.
 async fn delete(
     shared: &Shared,
@@ -787,6 +802,31 @@ async fn delete(
     remove_files: bool,
 ) -> Result<String, Status> {
     let name = &disk.name;
+    if let Some(t) = &disk.iscsi {
+        let others: Vec<&str> = t
+            .server
+            .targets()
+            .iter()
+            .map(|x| x.name())
+            .filter(|n| *n != t.target)
+            .collect();
+        if !others.is_empty() {
+            return Err(Status::failed_precondition(format!(
+                "disk {name} shares its iSCSI portal {} with targets {}: delete them \
+                 together by editing the config",
+                t.portal,
+                others.join(", ")
+            )));
+        }
+        let sessions = t.sessions().len();
+        if sessions > 0 && !force {
+            return Err(Status::failed_precondition(format!(
+                "disk {name} has {sessions} iSCSI session(s) on {}; log them out or delete \
+                 with force",
+                t.portal
+            )));
+        }
+    }
     if let Some((addr, server)) = &disk.nbd {
         let others: Vec<String> = server
             .exports()
@@ -813,6 +853,15 @@ async fn delete(
             .is_err()
         {
             warn!(disk = %name, "NBD clients did not finish within 10 s; closing them");
+        }
+    }
+    if let Some(t) = &disk.iscsi {
+        t.server.shutdown();
+        if tokio::time::timeout(Duration::from_secs(10), t.server.wait_idle())
+            .await
+            .is_err()
+        {
+            warn!(disk = %name, "iSCSI sessions did not finish within 10 s; closing them");
         }
     }
     let created = shared.created.lock().remove(name);

@@ -1,5 +1,6 @@
 //! A vsan node as a library: the configuration file (TOML, see [`config`]) becomes disks
-//! (images, caches, mirrors), replication links and NBD exports, owned by one [`Node`].
+//! (images, caches, mirrors), replication links and NBD and iSCSI exports, owned by one
+//! [`Node`].
 //!
 //! `vsan-node` is a thin program over this module (it adds signals and the stdout report
 //! lines); the C ABI opens the same nodes, so a config behaves the same in both.
@@ -7,8 +8,9 @@
 //! [`Node::start`] binds every listener first (a busy address refuses the start before
 //! any image is created), checks every cache file, then opens or creates each disk's
 //! image, cache, metadata and mirror, starts the replication dialers and acceptor, and
-//! serves the disks that have an `nbd` address. [`Node::shutdown`] stops accepting,
-//! lets NBD requests in flight finish, flushes every disk, closes the mirrors (metadata
+//! serves the disks that have an `nbd` address over NBD and those with an `iscsi` portal
+//! as iSCSI targets. [`Node::shutdown`] stops accepting,
+//! lets NBD and iSCSI requests in flight finish, flushes every disk, closes the mirrors (metadata
 //! marked clean) and then the caches (everything destaged).
 
 //!
@@ -40,6 +42,7 @@ use tokio::task::JoinHandle;
 use tracing::{error, info, warn};
 use vsan_cache::WriteBackCache;
 use vsan_core::BlockDevice;
+use vsan_core::export::iscsi::Server as IscsiServer;
 use vsan_core::export::nbd::Server;
 use vsan_replica::MirroredDisk;
 use vsan_replica::connect::DiskRegistry;
@@ -121,6 +124,8 @@ pub struct NodeDisk {
     pub transport: Option<String>,
     /// The NBD address the disk is exported on, and the server exporting it.
     pub nbd: Option<(String, Server)>,
+    /// The iSCSI target the disk is LUN 0 of, when it has an `iscsi` portal.
+    pub iscsi: Option<IscsiExport>,
     /// The write-back cache under the mirror (or under clients), when configured.
     pub cache: Option<Arc<WriteBackCache>>,
 }
@@ -132,7 +137,32 @@ impl std::fmt::Debug for NodeDisk {
             .field("geometry", &self.device.geometry())
             .field("mirrored", &self.mirror.is_some())
             .field("cached", &self.cache.is_some())
+            .field(
+                "iscsi",
+                &self.iscsi.as_ref().map(|e| (&e.portal, &e.target)),
+            )
             .finish()
+    }
+}
+
+/// A disk's iSCSI target: where it is served and by which server (one per portal, shared
+/// by the disks on that portal).
+#[derive(Clone, Debug)]
+pub struct IscsiExport {
+    /// The portal (`host:port`, with the actual port when the config said port 0).
+    pub portal: String,
+    /// The target's iSCSI name.
+    pub target: String,
+    /// The portal's server (its `sessions()` include other disks' on the same portal).
+    pub server: IscsiServer,
+}
+
+impl IscsiExport {
+    /// The open sessions logged in to this disk's target.
+    pub fn sessions(&self) -> Vec<vsan_core::export::iscsi::SessionInfo> {
+        let mut sessions = self.server.sessions();
+        sessions.retain(|s| s.target == self.target);
+        sessions
     }
 }
 
@@ -198,6 +228,9 @@ pub struct Node {
     shared: Arc<Shared>,
     servers: Vec<Server>,
     server_tasks: Vec<JoinHandle<vsan_core::Result<()>>>,
+    /// One iSCSI server per portal, and their accept tasks.
+    iscsi_servers: Vec<IscsiServer>,
+    iscsi_tasks: Vec<JoinHandle<vsan_core::Result<()>>>,
     background: Vec<JoinHandle<()>>,
     sockets: Vec<PathBuf>,
     ready_lines: Vec<String>,
@@ -257,14 +290,16 @@ impl Node {
     /// `cache disk=<name> mode=.. open=formatted|clean|recovered records=.. dirty_bytes=..
     /// log_bytes=..`, then `ready metrics=<address>` when it serves metrics (see
     /// [`metrics`]), then `ready replication=<address>` when it listens for peers, then
-    /// `ready disk=<name> nbd=<address>` per exported disk (with the actual port when the
-    /// config said port 0).
+    /// `ready disk=<name> nbd=<address>` per disk exported over NBD, then
+    /// `ready disk=<name> iscsi=<portal> target=<iqn>` per disk with an iSCSI target (with
+    /// the actual port when the config said port 0), then `ready mgmt=<address>` when it
+    /// serves the management API.
     pub fn ready_lines(&self) -> &[String] {
         &self.ready_lines
     }
 
-    /// Stop the node: stop accepting NBD connections and requests, let requests in flight
-    /// finish (up to [`DRAIN_TIMEOUT`]), flush every disk, stop the replication links,
+    /// Stop the node: stop accepting NBD and iSCSI connections and requests, let requests
+    /// in flight finish (up to [`DRAIN_TIMEOUT`]), flush every disk, stop the replication links,
     /// close every mirror (metadata marked clean) and then every cache (everything
     /// destaged, marked clean). Everything is closed even when a step fails; the error
     /// says what failed (the data may then not be durable); its kind is
@@ -283,6 +318,10 @@ impl Node {
         for server in &servers {
             server.shutdown();
         }
+        let iscsi_servers = std::mem::take(&mut self.iscsi_servers);
+        for server in &iscsi_servers {
+            server.shutdown();
+        }
         // Scrapes read the disks' state: stop them before the disks close.
         if let Some(m) = self.metrics.take() {
             m.stop().await;
@@ -290,8 +329,16 @@ impl Node {
         for t in std::mem::take(&mut self.server_tasks) {
             let _ = t.await;
         }
+        for t in std::mem::take(&mut self.iscsi_tasks) {
+            if let Ok(Err(e)) = t.await {
+                warn!("an iSCSI portal stopped serving: {e}");
+            }
+        }
         let drained = tokio::time::timeout(DRAIN_TIMEOUT, async {
             for server in &servers {
+                server.wait_idle().await;
+            }
+            for server in &iscsi_servers {
                 server.wait_idle().await;
             }
         })
@@ -381,6 +428,7 @@ impl Node {
             .filter_map(|d| Some((d.name.clone(), Arc::clone(d.cache.as_ref()?))))
             .collect();
         drop(servers);
+        drop(iscsi_servers);
         drop(disks);
         drop(mirrors);
         for (name, cache) in caches {
@@ -413,7 +461,13 @@ impl Drop for Node {
         for t in &self.server_tasks {
             t.abort();
         }
+        for t in &self.iscsi_tasks {
+            t.abort();
+        }
         for server in &self.servers {
+            server.shutdown();
+        }
+        for server in &self.iscsi_servers {
             server.shutdown();
         }
     }

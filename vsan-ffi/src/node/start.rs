@@ -3,17 +3,21 @@
 //! 1. `check_options`: the config asks only for services this build has (features
 //!    `metrics`, `mgmt`), and the start options name mirrored disks of the config;
 //! 2. bind every listener, so a busy address refuses the start before any image is
-//!    created: the NBD exports (`bind_exports`), the metrics endpoint
+//!    created: the NBD exports (`bind_exports`), the iSCSI portals (`bind_portals`, which
+//!    also reads the CHAP secret files), the metrics endpoint
 //!    (`bind_metrics`), the management service (`bind_mgmt`), and, with the
 //!    transports of the peers (`peer_transports`), the replication listener
 //!    (`listen_for_peers`);
 //! 3. `inspect_caches`: every cache file checked before anything is created;
 //! 4. `Starting::open_disks`: each disk's image, cache, metadata and mirror, and the
 //!    dialers of the peers this node dials;
-//! 5. `serve_exports`: the NBD servers over the bound listeners;
+//! 5. `targets_of_portals`: each disk's logical unit and iSCSI target, one server per
+//!    portal; then `serve_exports`: the NBD servers over the bound listeners, and the
+//!    iSCSI servers over theirs;
 //! 6. the metrics and management services over the node's disks.
 
 use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -21,7 +25,9 @@ use std::time::Duration;
 use tokio::net::{TcpListener, UnixListener};
 use tokio::task::JoinHandle;
 use tracing::{info, warn};
+use vsan_core::export::iscsi::{Chap, Server as IscsiServer, Target};
 use vsan_core::export::nbd::{Export, Server};
+use vsan_core::scsi::{LogicalUnit, LuConfig, LuIdentity, TargetPort};
 use vsan_core::{BlockDevice, ErrorKind, FileOptions, Geometry, MemDevice};
 use vsan_replica::connect::{DiskRegistry, accept_loop_shared, dial_loop};
 use vsan_replica::meta::{self, DEFAULT_CHUNK_SIZE};
@@ -40,7 +46,7 @@ use super::config::{
 #[cfg(feature = "mgmt")]
 use super::mgmt;
 use super::transports::{self, Note, PeerTransport};
-use super::{Node, NodeDisk, Shared, StartError, StartOptions, listen_error, metrics};
+use super::{IscsiExport, Node, NodeDisk, Shared, StartError, StartOptions, listen_error, metrics};
 
 impl Node {
     /// Start a node from its configuration. Must be called within a tokio runtime (with
@@ -56,6 +62,7 @@ impl Node {
         let quorum = quorum_policy(&config.node);
 
         let exports = bind_exports(config).await?;
+        let portals = bind_portals(config).await?;
         let mut ready_lines_pre = Vec::new();
         let node_metrics = bind_metrics(node).await?;
         if let Some(m) = &node_metrics {
@@ -90,7 +97,10 @@ impl Node {
         }
 
         ready_lines.extend(ready_lines_pre);
+        // Every fallible step before any server task starts.
+        let portals = targets_of_portals(config, portals, &mut disks)?;
         let served = serve_exports(exports, &mut disks, &mut ready_lines)?;
+        let portals = portals.serve(&mut ready_lines);
         info!(
             id = node.id,
             disks = disks.len(),
@@ -149,6 +159,8 @@ impl Node {
             shared,
             servers: served.servers,
             server_tasks: served.tasks,
+            iscsi_servers: portals.servers,
+            iscsi_tasks: portals.tasks,
             background: background.into_inner(),
             sockets: served.sockets,
             ready_lines,
@@ -218,7 +230,9 @@ async fn bind_exports(config: &Config) -> Result<Vec<BoundExport>, StartError> {
     let mut by_addr: BTreeMap<String, (NbdAddr, Vec<usize>)> = BTreeMap::new();
     for (i, d) in config.disk.iter().enumerate() {
         let Some(nbd) = &d.nbd else {
-            warn!(disk = %d.name, "no `nbd` address: the disk is not exported");
+            if d.iscsi.is_none() {
+                warn!(disk = %d.name, "no `nbd` or `iscsi` address: the disk is not exported");
+            }
             continue;
         };
         let addr = NbdAddr::parse(nbd)
@@ -456,6 +470,7 @@ impl Starting<'_> {
                     .map(|p| p.transport.word().to_string())
             }),
             nbd: None,
+            iscsi: None,
             cache: disk_cache,
         };
         Ok((disk, cache_line))
@@ -576,6 +591,177 @@ fn serve_exports(
         served.servers.push(server);
     }
     Ok(served)
+}
+
+/// An iSCSI portal bound at start, and the disks (indices into the config) that are
+/// targets there, each with its CHAP settings.
+struct BoundPortal {
+    listener: TcpListener,
+    members: Vec<(usize, Option<Chap>)>,
+}
+
+/// Read every iSCSI target's CHAP secrets and bind every portal; disks sharing a portal
+/// become targets of one server.
+async fn bind_portals(config: &Config) -> Result<Vec<BoundPortal>, StartError> {
+    let mut by_addr: BTreeMap<SocketAddr, Vec<(usize, Option<Chap>)>> = BTreeMap::new();
+    for (i, d) in config.disk.iter().enumerate() {
+        let Some(portal) = &d.iscsi else { continue };
+        let addr: SocketAddr = portal.parse().map_err(|_| {
+            StartError::Config(format!(
+                "key `disk[{i}].iscsi`: {portal:?} is not an address such as \"127.0.0.1:3260\""
+            ))
+        })?;
+        let chap = config
+            .iscsi_chap(i)
+            .map_err(|e| StartError::Config(e.to_string()))?;
+        by_addr.entry(addr).or_default().push((i, chap));
+    }
+    let mut bound = Vec::new();
+    for (addr, members) in by_addr {
+        let key = format!("disk[{}].iscsi", members[0].0);
+        let listener = TcpListener::bind(addr)
+            .await
+            .map_err(|e| listen_error(&key, addr, e.kind() == std::io::ErrorKind::AddrInUse, &e))?;
+        bound.push(BoundPortal { listener, members });
+    }
+    Ok(bound)
+}
+
+/// The relative target port (and target port group) of this node's port to a disk: 1
+/// for a local disk and for the lower node id of a mirrored pair, 2 for the higher, so
+/// the two nodes that serve the same logical unit give it two distinct ports.
+fn relative_port(node_id: u32, peer: Option<u32>) -> u16 {
+    match peer {
+        Some(p) if p < node_id => 2,
+        _ => 1,
+    }
+}
+
+/// The logical unit of disk `d` over `device` (the disk's client-facing device, the one
+/// NBD serves), as this node presents it through target `iqn`.
+///
+/// Its identity comes from the mirror's disk id ([`DiskId::from_name`]: the disk's name,
+/// which both nodes of a mirrored disk carry and check against each other in the
+/// handshake), so both nodes report the same logical unit. The SCSI state (persistent
+/// reservations, saved mode pages) is kept beside the disk's metadata, in
+/// `data_dir/<name>.scsi-state`; a RAM disk keeps it in memory.
+fn logical_unit(
+    config: &Config,
+    d: &DiskSection,
+    iqn: &str,
+    device: Arc<dyn BlockDevice>,
+) -> Result<Arc<LogicalUnit>, StartError> {
+    let node = &config.node;
+    let id = relative_port(node.id, d.peer);
+    let lu_config = LuConfig {
+        identity: LuIdentity::from_disk_id(&DiskId::from_name(&d.name).to_string()),
+        port: TargetPort {
+            name: format!("{iqn},t,0x0001"),
+            relative_id: id,
+            group: id,
+        },
+        read_only: false,
+        state_file: match d.backing {
+            Backing::File => Some(node.data_dir.join(format!("{}.scsi-state", d.name))),
+            Backing::Mem => None,
+        },
+    };
+    LogicalUnit::new(device, lu_config)
+        .map_err(|e| StartError::Runtime(format!("disk {}: iSCSI logical unit: {e}", d.name)))
+}
+
+/// The iSCSI servers of a node, one per portal, before they serve: each with its
+/// listener and its `ready` lines.
+struct PortalTargets(Vec<(IscsiServer, TcpListener, Vec<String>)>);
+
+/// The iSCSI servers of a started node, one per portal, with their accept tasks.
+struct ServedPortals {
+    servers: Vec<IscsiServer>,
+    tasks: Vec<JoinHandle<vsan_core::Result<()>>>,
+}
+
+/// Each bound portal's targets: each disk LUN 0 of its own target, over the same device
+/// NBD serves (so a mirrored replica not yet proven current answers nothing here either:
+/// the mirror holds every request until it is). A portal beyond loopback with a target
+/// without CHAP logs a warning.
+fn targets_of_portals(
+    config: &Config,
+    bound: Vec<BoundPortal>,
+    disks: &mut [NodeDisk],
+) -> Result<PortalTargets, StartError> {
+    let mut portals = Vec::new();
+    for BoundPortal { listener, members } in bound {
+        let local = listener.local_addr().map_err(|e| {
+            StartError::Runtime(format!("iSCSI portal of disk[{}]: {e}", members[0].0))
+        })?;
+        let portal = local.to_string();
+        let mut targets = Vec::new();
+        let mut names = Vec::new();
+        for (i, chap) in members {
+            let (Some(d), Some(disk)) = (config.disk.get(i), disks.get(i)) else {
+                continue;
+            };
+            let iqn = d.iscsi_target_name();
+            let lu = logical_unit(config, d, &iqn, Arc::clone(&disk.device))?;
+            let mut target = Target::new(iqn.clone(), lu).with_alias(d.name.clone());
+            match chap {
+                Some(chap) => {
+                    info!(disk = %d.name, target = %iqn, user = %chap.initiator.user,
+                        mutual = chap.target.is_some(), "iSCSI target requires CHAP");
+                    target = target.with_chap(chap);
+                }
+                None if !local.ip().is_loopback() => warn!(
+                    disk = %d.name,
+                    %portal,
+                    target = %iqn,
+                    "the iSCSI portal listens beyond loopback without CHAP: anyone who \
+                     reaches it can read and write the disk; set iscsi_chap_user and \
+                     iscsi_chap_secret (or iscsi_chap_secret_file)"
+                ),
+                None => {}
+            }
+            targets.push(target);
+            names.push((i, iqn));
+        }
+        let server = IscsiServer::new(targets)
+            .map_err(|e| StartError::Config(format!("iSCSI portal {portal}: {e}")))?;
+        let mut lines = Vec::new();
+        for (i, iqn) in names {
+            if let Some(disk) = disks.get_mut(i) {
+                lines.push(format!(
+                    "ready disk={} iscsi={portal} target={iqn}",
+                    disk.name
+                ));
+                disk.iscsi = Some(IscsiExport {
+                    portal: portal.clone(),
+                    target: iqn,
+                    server: server.clone(),
+                });
+            }
+        }
+        portals.push((server, listener, lines));
+    }
+    Ok(PortalTargets(portals))
+}
+
+impl PortalTargets {
+    /// Start serving every portal; adds their `ready disk=<name> iscsi=<portal>
+    /// target=<iqn>` lines.
+    fn serve(self, ready_lines: &mut Vec<String>) -> ServedPortals {
+        let mut served = ServedPortals {
+            servers: Vec::new(),
+            tasks: Vec::new(),
+        };
+        for (server, listener, lines) in self.0 {
+            ready_lines.extend(lines);
+            let s = server.clone();
+            served
+                .tasks
+                .push(tokio::spawn(async move { s.serve_tcp(listener).await }));
+            served.servers.push(server);
+        }
+        served
+    }
 }
 
 /// A bound NBD listener.

@@ -1,10 +1,14 @@
 //! The `vsan-node` configuration file (TOML), as DESIGN.md "Node configuration" gives it.
 //!
+//! iSCSI keys (a disk's `iscsi` portal, `iscsi_target`, CHAP per disk or node) are
+//! checked in `iscsi.rs`.
+//!
 //! Parsing is strict: an unknown key, a size that does not parse or does not fit the
 //! block size, a duplicate disk name, or a reference to a peer that is not declared is an
 //! error naming the key (`disk[0].size`) and the problem, so the operator gets one clear
 //! line instead of a node that half-starts.
 
+mod iscsi;
 mod values;
 
 use std::collections::HashSet;
@@ -15,8 +19,10 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 use vsan_cache::{CacheConfig, CacheMode};
 
+pub use iscsi::DEFAULT_TARGET_PREFIX;
 pub use values::{
-    NbdAddr, Quorum, Rate, Size, SplitBrain, Startup, TransportKind, cache_mode_word,
+    NbdAddr, Quorum, Rate, Secret, Size, SplitBrain, Startup, TransportKind, cache_mode_word,
+    check_iscsi_name,
 };
 
 /// A configuration error: which key, and what is wrong with it.
@@ -97,6 +103,20 @@ pub struct NodeSection {
     /// on alone before it stopped serves at once either way.
     #[serde(default)]
     pub startup: Startup,
+    /// iSCSI CHAP for every disk's target that does not set its own: the name an
+    /// initiator logs in with (CHAP_N). See [`DiskSection::iscsi_chap_user`].
+    pub iscsi_chap_user: Option<String>,
+    /// The initiator's CHAP secret (12 to 255 bytes), for every disk's target.
+    pub iscsi_chap_secret: Option<Secret>,
+    /// The initiator's CHAP secret read from this file (a trailing newline ignored),
+    /// instead of `iscsi_chap_secret`.
+    pub iscsi_chap_secret_file: Option<PathBuf>,
+    /// Mutual CHAP for every disk's target: the name the target answers with.
+    pub iscsi_chap_target_user: Option<String>,
+    /// Mutual CHAP: the target's secret (12 to 255 bytes, not the initiator's).
+    pub iscsi_chap_target_secret: Option<Secret>,
+    /// Mutual CHAP: the target's secret read from this file.
+    pub iscsi_chap_target_secret_file: Option<PathBuf>,
 }
 
 /// `[[peer]]`.
@@ -257,6 +277,28 @@ pub struct DiskSection {
     pub peer: Option<u32>,
     /// NBD address: "host:port" or "unix:/path".
     pub nbd: Option<String>,
+    /// iSCSI portal ("host:port", port 0 for any free one): the disk is LUN 0 of a
+    /// target there. Disks sharing a portal are targets of one server.
+    pub iscsi: Option<String>,
+    /// The target's iSCSI name (default `iqn.2026-12.io.vsan:<disk name>`, lower-cased,
+    /// `_` as `-`); read it through [`DiskSection::iscsi_target_name`].
+    pub iscsi_target: Option<String>,
+    /// CHAP for this disk's target: the name an initiator must log in with. With
+    /// `iscsi_chap_secret` or `iscsi_chap_secret_file` (exactly one), an initiator must
+    /// prove it knows the secret. Any of these keys on the disk replaces the node's
+    /// (`node.iscsi_chap_*`) for this disk; without them the node's apply.
+    pub iscsi_chap_user: Option<String>,
+    /// The initiator's CHAP secret (12 to 255 bytes).
+    pub iscsi_chap_secret: Option<Secret>,
+    /// The initiator's CHAP secret read from this file (a trailing newline ignored).
+    pub iscsi_chap_secret_file: Option<PathBuf>,
+    /// Mutual CHAP (needs the initiator's pair too): the name this target answers an
+    /// initiator that asks it to prove itself.
+    pub iscsi_chap_target_user: Option<String>,
+    /// Mutual CHAP: the target's secret (12 to 255 bytes, not the initiator's).
+    pub iscsi_chap_target_secret: Option<Secret>,
+    /// Mutual CHAP: the target's secret read from this file.
+    pub iscsi_chap_target_secret_file: Option<PathBuf>,
     /// Optional write-back cache.
     pub cache: Option<CacheSection>,
     /// Bytes per bit of the resync bitmap (a power of two, at least 4 KiB; default
@@ -540,7 +582,7 @@ impl Config {
                 }
             }
         }
-        Ok(())
+        self.check_iscsi()
     }
 
     /// `disk[i].cache`: its settings, a block size the cache can serve, and a path that

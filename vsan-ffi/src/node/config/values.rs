@@ -265,3 +265,112 @@ impl NbdAddr {
         })
     }
 }
+
+/// A CHAP secret as the config gives it (`iscsi_chap_secret`): its bytes, never shown
+/// (its `Debug` says `<redacted>`).
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(pub Vec<u8>);
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
+impl<'de> Deserialize<'de> for Secret {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Secret, D::Error> {
+        // The value is never echoed back in an error.
+        String::deserialize(d)
+            .map(|s| Secret(s.into_bytes()))
+            .map_err(|_| D::Error::custom("expected a string"))
+    }
+}
+
+/// The shortest CHAP secret a node accepts: RFC 7143 (section 12.1.3) has 12 bytes as
+/// the least a secret should be, and shorter ones fall to an offline dictionary attack on
+/// one captured exchange.
+pub(crate) const MIN_CHAP_SECRET: usize = 12;
+/// The longest CHAP secret (RFC 7143's limit on a CHAP secret's length, 255 bytes).
+pub(crate) const MAX_CHAP_SECRET: usize = 255;
+
+/// What is wrong with a CHAP secret of `len` bytes, if anything.
+pub(super) fn chap_secret_problem(len: usize) -> Option<String> {
+    (!(MIN_CHAP_SECRET..=MAX_CHAP_SECRET).contains(&len)).then(|| {
+        format!(
+            "the secret is {len} bytes; a CHAP secret is {MIN_CHAP_SECRET} to \
+             {MAX_CHAP_SECRET} bytes (RFC 7143 recommends at least {MIN_CHAP_SECRET}: \
+             shorter ones are guessed offline from one captured login)"
+        )
+    })
+}
+
+/// The longest iSCSI name (RFC 7143 section 4.2.7.1).
+pub(crate) const MAX_ISCSI_NAME: usize = 223;
+
+/// Check an iSCSI name (RFC 7143 section 4.2.7, the ASCII subset): `iqn.` + a date
+/// `yyyy-mm` + `.` + a reversed domain name, optionally `:` and an identifier; or
+/// `eui.` + 16 hex digits. Names are compared after RFC 3722's stringprep, which maps
+/// upper case to lower case, so only the lower-case (normalised) form is accepted: a-z,
+/// 0-9, `-`, `.`, `:`. On error: what is wrong, in words.
+pub fn check_iscsi_name(name: &str) -> Result<(), String> {
+    const FORMS: &str = "write iqn.yyyy-mm.reversed.domain[:identifier] (such as \
+                         iqn.2026-12.io.vsan:vol0) or eui. and 16 hex digits";
+    if name.len() > MAX_ISCSI_NAME {
+        return Err(format!(
+            "is {} bytes; an iSCSI name has at most {MAX_ISCSI_NAME}",
+            name.len()
+        ));
+    }
+    if let Some(c) = name
+        .chars()
+        .find(|c| !(c.is_ascii_lowercase() || c.is_ascii_digit() || "-.:".contains(*c)))
+    {
+        return Err(if c.is_ascii_uppercase() {
+            format!(
+                "{name:?} has upper case: iSCSI names are compared in lower case (RFC \
+                 3722), so write it in lower case"
+            )
+        } else {
+            format!("{name:?}: {c:?} is not allowed in an iSCSI name (a-z, 0-9, '-', '.', ':')")
+        });
+    }
+    if let Some(hex) = name.strip_prefix("eui.") {
+        return if hex.len() == 16 && hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+            Ok(())
+        } else {
+            Err(format!(
+                "{name:?}: an eui. name is \"eui.\" and 16 hex digits (an EUI-64)"
+            ))
+        };
+    }
+    let Some(rest) = name.strip_prefix("iqn.") else {
+        return Err(format!("{name:?} is not an iSCSI name: {FORMS}"));
+    };
+    let date = rest.get(..7).unwrap_or("");
+    let (year, month) = date.split_once('-').unwrap_or(("", ""));
+    let month_ok = month.len() == 2 && matches!(month.parse::<u8>(), Ok(1..=12));
+    if year.len() != 4 || !year.bytes().all(|b| b.is_ascii_digit()) || !month_ok {
+        return Err(format!(
+            "{name:?}: an iqn. name starts with the year and month its naming authority \
+             took the domain, as iqn.yyyy-mm.: {FORMS}"
+        ));
+    }
+    let (authority, identifier) = match rest.get(7..).and_then(|r| r.strip_prefix('.')) {
+        Some(r) => match r.split_once(':') {
+            Some((a, id)) => (a, Some(id)),
+            None => (r, None),
+        },
+        None => ("", None),
+    };
+    let label_ok = |l: &str| !l.is_empty() && !l.contains(':');
+    if authority.is_empty() || !authority.split('.').all(label_ok) {
+        return Err(format!(
+            "{name:?}: an iqn. name has a reversed domain name after the date \
+             (iqn.2026-12.com.example): {FORMS}"
+        ));
+    }
+    if identifier == Some("") {
+        return Err(format!("{name:?}: nothing follows the ':'"));
+    }
+    Ok(())
+}
