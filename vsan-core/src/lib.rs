@@ -1,19 +1,23 @@
 //! # vsan-core
 //!
 //! The foundation of vsan: the [`BlockDevice`] trait every layer implements, the devices
-//! that sit at the bottom of a stack, and an NBD server that exports any of them.
+//! that sit at the bottom of a stack, and the exports that serve any of them: NBD, and
+//! iSCSI over the SCSI command layer in [`scsi`].
 //!
 //! ```text
-//!  NBD clients (qemu, fio, nbdcopy, kernel)        Rust callers, vsan-ffi
-//!            |                                           |
-//!   export::nbd::Server  ---- Arc<dyn BlockDevice> ------+
+//!  NBD clients (qemu, fio, nbdcopy, kernel)   iSCSI initiators (ESXi, Windows, libiscsi)
+//!            |                                      |
+//!   export::nbd::Server          export::iscsi::Server -> scsi::LogicalUnit
+//!            |                                      |            Rust callers, vsan-ffi
+//!            +------------- Arc<dyn BlockDevice> ---+----------------------+
 //!                                  |
 //!        MemDevice | FileDevice | FaultyDevice<D> (feature "test-utils")
 //!        (later layers: vsan-cache's WriteBackCache, vsan-replica's MirroredDisk)
 //! ```
 //!
 //! Main types: [`BlockDevice`], [`Geometry`], [`IoFlags`], [`Error`] / [`ErrorKind`],
-//! [`MemDevice`], [`FileDevice`], and [`export::nbd::Server`].
+//! [`MemDevice`], [`FileDevice`], [`export::nbd::Server`], [`export::iscsi::Server`] and
+//! [`scsi::LogicalUnit`].
 //!
 //! ```
 //! use bytes::Bytes;

@@ -302,33 +302,75 @@ impl std::fmt::Debug for Server {
     }
 }
 
-/// Whether `name` is a valid iSCSI name (RFC 7143 section 4.2.7.1): `iqn.yyyy-mm.` and
-/// more, `eui.` and 16 hex digits, or `naa.` and 16 or 32 hex digits; lower case, at
-/// most 223 bytes.
-pub fn valid_iscsi_name(name: &str) -> bool {
-    if name.is_empty() || name.len() > 223 {
-        return false;
+/// The longest iSCSI name (RFC 7143 section 4.2.7.1).
+pub const MAX_ISCSI_NAME: usize = 223;
+
+/// Check an iSCSI name (RFC 7143 section 4.2.7, the ASCII subset): `iqn.` + a date
+/// `yyyy-mm` + `.` + a reversed domain name, optionally `:` and an identifier; or
+/// `eui.` + 16 hex digits. Names are compared after RFC 3722's stringprep, which maps
+/// upper case to lower case, so only the lower-case (normalised) form is accepted: a-z,
+/// 0-9, `-`, `.`, `:`. On error: what is wrong, in words.
+pub fn check_iscsi_name(name: &str) -> Result<(), String> {
+    const FORMS: &str = "write iqn.yyyy-mm.reversed.domain[:identifier] (such as \
+                         iqn.2026-12.io.vsan:vol0) or eui. and 16 hex digits";
+    if name.len() > MAX_ISCSI_NAME {
+        return Err(format!(
+            "is {} bytes; an iSCSI name has at most {MAX_ISCSI_NAME}",
+            name.len()
+        ));
     }
-    let hex = |s: &str| s.bytes().all(|b| b.is_ascii_hexdigit());
-    if let Some(rest) = name.strip_prefix("eui.") {
-        return rest.len() == 16 && hex(rest);
+    if let Some(c) = name
+        .chars()
+        .find(|c| !(c.is_ascii_lowercase() || c.is_ascii_digit() || "-.:".contains(*c)))
+    {
+        return Err(if c.is_ascii_uppercase() {
+            format!(
+                "{name:?} has upper case: iSCSI names are compared in lower case (RFC \
+                 3722), so write it in lower case"
+            )
+        } else {
+            format!("{name:?}: {c:?} is not allowed in an iSCSI name (a-z, 0-9, '-', '.', ':')")
+        });
     }
-    if let Some(rest) = name.strip_prefix("naa.") {
-        return (rest.len() == 16 || rest.len() == 32) && hex(rest);
+    if let Some(hex) = name.strip_prefix("eui.") {
+        return if hex.len() == 16 && hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+            Ok(())
+        } else {
+            Err(format!(
+                "{name:?}: an eui. name is \"eui.\" and 16 hex digits (an EUI-64)"
+            ))
+        };
     }
     let Some(rest) = name.strip_prefix("iqn.") else {
-        return false;
+        return Err(format!("{name:?} is not an iSCSI name: {FORMS}"));
     };
-    let b = rest.as_bytes();
-    let date_ok = b.len() > 8
-        && b[..4].iter().all(u8::is_ascii_digit)
-        && b[4] == b'-'
-        && b[5..7].iter().all(u8::is_ascii_digit)
-        && b[7] == b'.';
-    date_ok
-        && name.bytes().all(|c| {
-            c.is_ascii_lowercase() || c.is_ascii_digit() || matches!(c, b'.' | b'-' | b':')
-        })
+    let date = rest.get(..7).unwrap_or("");
+    let (year, month) = date.split_once('-').unwrap_or(("", ""));
+    let month_ok = month.len() == 2 && matches!(month.parse::<u8>(), Ok(1..=12));
+    if year.len() != 4 || !year.bytes().all(|b| b.is_ascii_digit()) || !month_ok {
+        return Err(format!(
+            "{name:?}: an iqn. name starts with the year and month its naming authority \
+             took the domain, as iqn.yyyy-mm.: {FORMS}"
+        ));
+    }
+    let (authority, identifier) = match rest.get(7..).and_then(|r| r.strip_prefix('.')) {
+        Some(r) => match r.split_once(':') {
+            Some((a, id)) => (a, Some(id)),
+            None => (r, None),
+        },
+        None => ("", None),
+    };
+    let label_ok = |l: &str| !l.is_empty() && !l.contains(':');
+    if authority.is_empty() || !authority.split('.').all(label_ok) {
+        return Err(format!(
+            "{name:?}: an iqn. name has a reversed domain name after the date \
+             (iqn.2026-12.com.example): {FORMS}"
+        ));
+    }
+    if identifier == Some("") {
+        return Err(format!("{name:?}: nothing follows the ':'"));
+    }
+    Ok(())
 }
 
 impl Server {
@@ -347,13 +389,10 @@ impl Server {
             ));
         }
         for (i, t) in targets.iter().enumerate() {
-            if !valid_iscsi_name(&t.name) {
+            if let Err(why) = check_iscsi_name(&t.name) {
                 return Err(Error::new(
                     ErrorKind::InvalidArgument,
-                    format!(
-                        "{:?} is not a valid iSCSI name (iqn.yyyy-mm.domain[:id], eui. or naa., lower case)",
-                        t.name
-                    ),
+                    format!("iSCSI target name {why}"),
                 ));
             }
             if targets[..i].iter().any(|o| o.name == t.name) {
