@@ -37,7 +37,7 @@ fn inputs(target: &str, seeds: Vec<Vec<u8>>) -> Vec<(PathBuf, Vec<u8>)> {
     let mutated: Vec<(PathBuf, Vec<u8>)> = all
         .iter()
         .flat_map(|(p, b)| {
-            corpus::mutations(b, 24, 7)
+            corpus::mutations(b, 12, 7)
                 .enumerate()
                 .map(move |(i, m)| (PathBuf::from(format!("{} mutation {i}", p.display())), m))
         })

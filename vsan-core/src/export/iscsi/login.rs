@@ -226,8 +226,8 @@ enum Auth {
 /// A refusal with its status.
 struct Refusal(u16, &'static str);
 
-/// The login state of one connection.
-#[derive(Debug)]
+/// The login state of one connection. Its `Debug` leaves out the login text (it may
+/// hold a CHAP response) and the CHAP state.
 pub struct Login {
     config: Arc<LoginConfig>,
     new_tsih: u16,
@@ -243,6 +243,19 @@ pub struct Login {
     seen: Vec<String>,
     declared_mrdsl: bool,
     params: SessionParams,
+}
+
+impl std::fmt::Debug for Login {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Login")
+            .field("stage", &self.stage)
+            .field("initiator_name", &self.initiator_name)
+            .field("kind", &self.kind)
+            .field("auth", &self.auth)
+            .field("pending_text_len", &self.pending.len())
+            .field("params", &self.params)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Login {

@@ -758,3 +758,18 @@ fn target_only_keys_from_the_initiator_are_an_initiator_error() {
         );
     }
 }
+
+#[test]
+fn debug_output_never_shows_a_pending_chap_response() {
+    let mut l = Login::new(config(), 2);
+    chap_start(&mut l, SECURE, "5");
+    let mut r = req(
+        0,
+        1,
+        false,
+        &[("CHAP_N", "host1"), ("CHAP_R", "0xdeadbeefcafe")],
+    );
+    r.cont = true;
+    cont(l.step(&r));
+    assert!(!format!("{l:?}").contains("deadbeef"));
+}
