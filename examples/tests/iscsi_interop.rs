@@ -365,8 +365,19 @@ fn check_oversized_ffp_segment(target: &IscsiTarget) {
 /// What one hostile connection got.
 fn answered_or_closed(c: &mut RawConn, what: &str) -> Option<common::iscsi::Pdu> {
     match c.recv(ANSWER_TIMEOUT) {
-        Reply::Pdu(p) => Some(p),
-        Reply::Closed => None,
+        Reply::Pdu(p) => {
+            eprintln!(
+                "{what}: answered, opcode {:#04x}, bytes 1-3 {:02x?}, login status {:?}",
+                p.opcode(),
+                &p.bhs[1..4],
+                p.login_status()
+            );
+            Some(p)
+        }
+        Reply::Closed => {
+            eprintln!("{what}: connection closed");
+            None
+        }
         Reply::Silent => panic!("{what}: neither an answer nor a close within {ANSWER_TIMEOUT:?}"),
     }
 }
@@ -537,6 +548,29 @@ fn check_hostile_input(target: &IscsiTarget, lenient_ffp_limit: bool) {
     }
     drop(c);
     still_serving(&mut bystander, "a command before login");
+
+    // A Login Request in full feature phase (the wrong phase): never another login.
+    let mut c = RawConn::login(target);
+    let pdu = c.login_pdu(
+        0x80 | (1 << 2) | 0x03,
+        &[("InitiatorName", RAW_INITIATOR), ("MaxBurstLength", "512")],
+    );
+    let _ = c.send(&pdu);
+    if let Some(p) = answered_or_closed(&mut c, "a Login Request in full feature phase") {
+        assert!(
+            matches!(p.opcode(), op::REJECT | op::LOGIN_RSP | op::ASYNC),
+            "a Login Request in full feature phase answered with {p:?}"
+        );
+        if p.opcode() == op::LOGIN_RSP {
+            assert_ne!(
+                p.login_status().0,
+                0,
+                "logged in again in full feature phase"
+            );
+        }
+    }
+    drop(c);
+    still_serving(&mut bystander, "a Login Request in full feature phase");
 
     // CmdSN outside the window (far above MaxCmdSN, and far below ExpCmdSN): the
     // target must ignore those commands (RFC 7143 §4.2.2.1) and answer the next one in
