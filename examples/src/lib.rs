@@ -2,10 +2,12 @@
 #![deny(missing_docs)]
 pub mod cache_bench;
 pub mod ffi_bench;
+pub mod iscsi_bench;
 pub mod latency;
 pub mod mgmt_client;
 pub mod pattern;
 pub mod resync_bench;
+pub mod tgtd;
 pub mod transport_bench;
 
 /// The node configuration and the transports it builds, now in the library (`vsan::node`).

@@ -16,7 +16,9 @@ use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
-use vsan_examples::{cache_bench, ffi_bench, latency, median, resync_bench, transport_bench};
+use vsan_examples::{
+    cache_bench, ffi_bench, iscsi_bench, latency, median, resync_bench, transport_bench,
+};
 
 #[derive(Parser, Debug)]
 #[command(version, about = "vsan benchmarks against the tools users run today")]
@@ -52,6 +54,41 @@ struct NbdArgs {
     mirror: bool,
     /// `node.threads` for each vsan-node (default: the node's own default, one
     /// worker per core).
+    #[arg(long)]
+    node_threads: Option<usize>,
+}
+
+/// Options of `vsan-bench iscsi`.
+#[derive(clap::Args, Debug)]
+struct IscsiArgs {
+    /// Seconds per read run.
+    #[arg(long, default_value_t = 20)]
+    seconds: u32,
+    /// Writes per write run (at most the disk's size in 4 KiB blocks).
+    #[arg(long, default_value_t = 200_000)]
+    write_count: u64,
+    /// Rounds (each round runs every case once per workload, in rotating order).
+    #[arg(long, default_value_t = 1)]
+    rounds: u32,
+    /// Size of the exported file in MiB.
+    #[arg(long, default_value_t = 1024)]
+    size_mib: u64,
+    /// Commands in flight.
+    #[arg(long, default_value_t = 32)]
+    depth: u32,
+    /// Work directory (default: target/vsan-bench).
+    #[arg(long)]
+    work_dir: Option<PathBuf>,
+    /// Path of vsan-node (default: next to this binary).
+    #[arg(long)]
+    vsan_node: Option<PathBuf>,
+    /// Also a mirrored disk (two vsan-node processes on this machine, node 1 exporting).
+    #[arg(long)]
+    mirror: bool,
+    /// Only the cases whose name contains one of these words (tgtd, vsan, nbd, mirror).
+    #[arg(long)]
+    only: Vec<String>,
+    /// `node.threads` for each vsan-node (default: the node's own default).
     #[arg(long)]
     node_threads: Option<usize>,
 }
@@ -103,6 +140,10 @@ enum Cmd {
     },
     /// fio 4K randread/randwrite over NBD: vsan-node vs nbdkit vs qemu-nbd.
     Nbd(NbdArgs),
+    /// 4 KiB random READ(16) (iscsi-perf) and 4 KiB writes (qemu-img bench) at depth 32
+    /// over iSCSI: vsan-node vs tgtd on the same kind of file, and vsan-node's NBD export
+    /// of the same disk (fio nbd engine).
+    Iscsi(IscsiArgs),
     /// QD1 4 KiB write latency: a local file, the same kind of file mirrored over TCP
     /// loopback, and a bare TCP ping-pong of the same sizes, in one run.
     Latency {
@@ -256,6 +297,19 @@ fn main() -> ExitCode {
         )
         .map_err(|e| -> BoxError { e.to_string().into() }),
         Cmd::Nbd(args) => nbd_bench(args),
+        Cmd::Iscsi(a) => iscsi_bench::run(iscsi_bench::Opts {
+            seconds: a.seconds,
+            write_count: a.write_count,
+            rounds: a.rounds,
+            size_mib: a.size_mib,
+            depth: a.depth,
+            dir: a.work_dir.unwrap_or_else(default_dir),
+            vsan_node: a.vsan_node.unwrap_or_else(|| exe_dir().join("vsan-node")),
+            mirror: a.mirror,
+            only: a.only,
+            node_threads: a.node_threads,
+        })
+        .map_err(|e| -> BoxError { e.to_string().into() }),
         Cmd::Latency {
             count,
             rounds,

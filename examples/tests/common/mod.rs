@@ -11,6 +11,7 @@
 
 pub mod fio;
 pub mod in_process;
+pub mod iscsi;
 pub mod mirror;
 pub mod proxy;
 pub mod vsanctl;
