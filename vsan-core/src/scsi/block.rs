@@ -108,6 +108,7 @@ impl LogicalUnit {
             UNMAP => self.unmap(cdb, &data, mb).await,
             WRITE_SAME_10 | WRITE_SAME_16 => self.write_same(cdb, lba, blocks64, data, mb).await,
             COMPARE_AND_WRITE => self.compare_and_write(cdb, lba, blocks64, data, mb).await,
+            ORWRITE_16 => self.or_write(cdb, lba, blocks64, data, mb).await,
             _ => Err(sense::INVALID_OPCODE.into()),
         }
     }
@@ -317,6 +318,51 @@ impl LogicalUnit {
         }
         self.device
             .write(off, data.slice(len..), flags)
+            .await
+            .map_err(|e| dev_err(e, Access::Write))?;
+        Ok(good())
+    }
+
+    /// ORWRITE(16) (SBC-3 5.8): each block becomes itself OR the data-out, atomic
+    /// against every other write through this LU (the COMPARE AND WRITE lock). No
+    /// protection information: ORPROTECT must be 0; BMOP (byte 14) must be 0 (the plain
+    /// OR operation).
+    async fn or_write(
+        &self,
+        cdb: &[u8],
+        lba: u64,
+        blocks: u64,
+        data: Bytes,
+        mb: mode::ModeBits,
+    ) -> Res {
+        if u8_at(cdb, 1) >> 5 != 0 || u8_at(cdb, 14) & 0x07 != 0 {
+            return Err(sense::INVALID_FIELD_IN_CDB.into());
+        }
+        self.check_writable(mb)?;
+        self.check_range(lba, blocks)?;
+        if blocks == 0 {
+            return Ok(good());
+        }
+        let (off, len) = self.bytes_of(lba, blocks);
+        let len = len as usize;
+        if data.len() != len {
+            return Err(sense::INVALID_FIELD_IN_CDB.into());
+        }
+        let fua = !mb.wce() || u8_at(cdb, 1) & 0x08 != 0;
+        let flags = if fua { IoFlags::FUA } else { IoFlags::empty() };
+        let _held = self.locks.exclusive(lba, blocks).await;
+        let current = self
+            .device
+            .read(off, len)
+            .await
+            .map_err(|e| dev_err(e, Access::Read))?;
+        let merged: Vec<u8> = current
+            .iter()
+            .zip(data.iter())
+            .map(|(a, b)| a | b)
+            .collect();
+        self.device
+            .write(off, Bytes::from(merged), flags)
             .await
             .map_err(|e| dev_err(e, Access::Write))?;
         Ok(good())

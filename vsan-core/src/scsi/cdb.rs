@@ -64,6 +64,8 @@ pub const READ_16: u8 = 0x88;
 pub const COMPARE_AND_WRITE: u8 = 0x89;
 /// WRITE(16).
 pub const WRITE_16: u8 = 0x8A;
+/// ORWRITE(16): OR the data into the blocks, atomically.
+pub const ORWRITE_16: u8 = 0x8B;
 /// WRITE AND VERIFY(16).
 pub const WRITE_VERIFY_16: u8 = 0x8E;
 /// VERIFY(16).
@@ -206,7 +208,9 @@ pub fn direction(c: &[u8], g: &Geometry) -> Result<Direction, Sense> {
             Direction::In(blocks_bytes(u64::from(lba_blocks(c).1), g)?)
         }
         WRITE_6 | WRITE_10 | WRITE_12 | WRITE_16 | WRITE_VERIFY_10 | WRITE_VERIFY_12
-        | WRITE_VERIFY_16 => Direction::Out(blocks_bytes(u64::from(lba_blocks(c).1), g)?),
+        | WRITE_VERIFY_16 | ORWRITE_16 => {
+            Direction::Out(blocks_bytes(u64::from(lba_blocks(c).1), g)?)
+        }
         VERIFY_10 | VERIFY_12 | VERIFY_16 => match bytchk(c) {
             0 => Direction::None,
             1 => Direction::Out(blocks_bytes(u64::from(lba_blocks(c).1), g)?),
@@ -395,6 +399,10 @@ const SUPPORTED_LIST: &[OpInfo] = &[
     ),
     op!(
         WRITE_16, 0xF8, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF,
+        0x1F, 0x07
+    ),
+    op!(
+        ORWRITE_16, 0xFA, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF,
         0x1F, 0x07
     ),
     op!(

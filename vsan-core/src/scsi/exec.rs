@@ -65,7 +65,9 @@ fn access_class(cdb: &[u8]) -> AccessClass {
         | MODE_SENSE_10 | PRE_FETCH_10 | PRE_FETCH_16 => AccessClass::Read,
         WRITE_6 | WRITE_10 | WRITE_12 | WRITE_16 | WRITE_VERIFY_10 | WRITE_VERIFY_12
         | WRITE_VERIFY_16 | WRITE_SAME_10 | WRITE_SAME_16 | UNMAP | COMPARE_AND_WRITE
-        | SYNC_CACHE_10 | SYNC_CACHE_16 | MODE_SELECT_6 | MODE_SELECT_10 => AccessClass::Write,
+        | ORWRITE_16 | SYNC_CACHE_10 | SYNC_CACHE_16 | MODE_SELECT_6 | MODE_SELECT_10 => {
+            AccessClass::Write
+        }
         _ => AccessClass::Always,
     }
 }
