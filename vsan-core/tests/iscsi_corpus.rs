@@ -117,7 +117,7 @@ fn iscsi_login_corpus_replays_and_reaches_every_outcome() {
 /// Writes the seeds into the corpus directories (named by content, as cargo-fuzz
 /// names its files).
 #[test]
-#[ignore]
+#[ignore = "writes into the source tree; run by hand to seed the fuzz corpus"]
 fn write_fuzz_seeds() {
     for (target, seeds) in [("iscsi_pdu", pdu_seeds()), ("iscsi_login", login_seeds())] {
         let dir = corpus_dir(target);

@@ -300,24 +300,43 @@ impl LogicalUnit {
         }
         self.check_writable(mb)?;
         self.check_range(lba, blocks)?;
-        let (off, len) = self.bytes_of(lba, blocks);
+        let len = self.bytes_of(lba, blocks).1;
         let len = len as usize;
         if data.len() != 2 * len {
             return Err(sense::INVALID_FIELD_IN_CDB.into());
         }
+        self.read_modify_write(cdb, lba, blocks, mb, |current| {
+            if let Some(d) = first_difference(current, &data[..len]) {
+                return Err(sense::MISCOMPARE_VERIFY.with_information(d as u64).into());
+            }
+            Ok(data.slice(len..))
+        })
+        .await
+    }
+
+    /// Read `blocks` at `lba`, let `f` make the new contents (or refuse), and write them,
+    /// all under the exclusive stripe lock: atomic against every other write through
+    /// this LU. FUA when the CDB's FUA bit is set or the write cache is off.
+    async fn read_modify_write(
+        &self,
+        cdb: &[u8],
+        lba: u64,
+        blocks: u64,
+        mb: mode::ModeBits,
+        f: impl FnOnce(&[u8]) -> Result<Bytes, Fail>,
+    ) -> Res {
+        let (off, len) = self.bytes_of(lba, blocks);
         let fua = !mb.wce() || u8_at(cdb, 1) & 0x08 != 0;
         let flags = if fua { IoFlags::FUA } else { IoFlags::empty() };
         let _held = self.locks.exclusive(lba, blocks).await;
         let current = self
             .device
-            .read(off, len)
+            .read(off, len as usize)
             .await
             .map_err(|e| dev_err(e, Access::Read))?;
-        if let Some(d) = first_difference(&current, &data[..len]) {
-            return Err(sense::MISCOMPARE_VERIFY.with_information(d as u64).into());
-        }
+        let new = f(&current)?;
         self.device
-            .write(off, data.slice(len..), flags)
+            .write(off, new, flags)
             .await
             .map_err(|e| dev_err(e, Access::Write))?;
         Ok(good())
@@ -343,29 +362,18 @@ impl LogicalUnit {
         if blocks == 0 {
             return Ok(good());
         }
-        let (off, len) = self.bytes_of(lba, blocks);
-        let len = len as usize;
-        if data.len() != len {
+        if data.len() as u64 != self.bytes_of(lba, blocks).1 {
             return Err(sense::INVALID_FIELD_IN_CDB.into());
         }
-        let fua = !mb.wce() || u8_at(cdb, 1) & 0x08 != 0;
-        let flags = if fua { IoFlags::FUA } else { IoFlags::empty() };
-        let _held = self.locks.exclusive(lba, blocks).await;
-        let current = self
-            .device
-            .read(off, len)
-            .await
-            .map_err(|e| dev_err(e, Access::Read))?;
-        let merged: Vec<u8> = current
-            .iter()
-            .zip(data.iter())
-            .map(|(a, b)| a | b)
-            .collect();
-        self.device
-            .write(off, Bytes::from(merged), flags)
-            .await
-            .map_err(|e| dev_err(e, Access::Write))?;
-        Ok(good())
+        self.read_modify_write(cdb, lba, blocks, mb, |current| {
+            let merged: Vec<u8> = current
+                .iter()
+                .zip(data.iter())
+                .map(|(a, b)| a | b)
+                .collect();
+            Ok(Bytes::from(merged))
+        })
+        .await
     }
 
     /// GET LBA STATUS: without an allocation map, a block that reads as zeros is

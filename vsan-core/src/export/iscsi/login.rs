@@ -24,6 +24,31 @@ use super::chap::{ChapAuth, is_chap_key};
 use super::keys::{self, Pair, TextBuilder, answer, bool_str, parse_bool, parse_number};
 use super::pdu::{DEFAULT_MAX_DATA_SEGMENT, LoginReq, LoginResp, MAX_DATA_SEGMENT_FIELD};
 
+/// The operational (and declarative) keys negotiated only at login (RFC 7143 section
+/// 13): at login each may be negotiated once; in the full-feature phase a Text request
+/// carrying one is answered Reject.
+pub(super) const OPERATIONAL_KEYS: &[&str] = &[
+    "HeaderDigest",
+    "DataDigest",
+    "MaxConnections",
+    "InitialR2T",
+    "ImmediateData",
+    "MaxRecvDataSegmentLength",
+    "MaxBurstLength",
+    "FirstBurstLength",
+    "DefaultTime2Wait",
+    "DefaultTime2Retain",
+    "MaxOutstandingR2T",
+    "DataPDUInOrder",
+    "DataSequenceInOrder",
+    "ErrorRecoveryLevel",
+    "OFMarker",
+    "IFMarker",
+    "OFMarkInt",
+    "IFMarkInt",
+    "InitiatorAlias",
+];
+
 /// The longest login text taken across C-bit continuations.
 pub const MAX_LOGIN_TEXT: usize = 64 << 10;
 
@@ -642,28 +667,7 @@ impl Login {
     fn operational(&mut self, p: &Pair, out: &mut TextBuilder) -> Result<(), Refusal> {
         let key = p.key.as_str();
         let v = p.value.as_str();
-        let known = matches!(
-            key,
-            "HeaderDigest"
-                | "DataDigest"
-                | "MaxConnections"
-                | "InitialR2T"
-                | "ImmediateData"
-                | "MaxRecvDataSegmentLength"
-                | "MaxBurstLength"
-                | "FirstBurstLength"
-                | "DefaultTime2Wait"
-                | "DefaultTime2Retain"
-                | "MaxOutstandingR2T"
-                | "DataPDUInOrder"
-                | "DataSequenceInOrder"
-                | "ErrorRecoveryLevel"
-                | "OFMarker"
-                | "IFMarker"
-                | "OFMarkInt"
-                | "IFMarkInt"
-                | "InitiatorAlias"
-        );
+        let known = OPERATIONAL_KEYS.contains(&key);
         if known {
             if self.seen.iter().any(|k| k == key) {
                 return Err(Refusal(status::INITIATOR_ERROR, "key negotiated twice"));

@@ -428,12 +428,7 @@ impl<'a> Conn<'a> {
     }
 
     fn alloc_ttt(&mut self) -> u32 {
-        let t = self.next_ttt;
-        self.next_ttt = match t.wrapping_add(1) {
-            RESERVED_TAG => 1,
-            n => n,
-        };
-        t
+        next_tag(&mut self.next_ttt)
     }
 
     fn reject(&mut self, reason: u8, header: [u8; BHS_LEN]) {
@@ -856,14 +851,7 @@ impl<'a> Conn<'a> {
             while r2ts.len() < max_outstanding && *next_r2t_offset < target {
                 let offset = *next_r2t_offset;
                 let len = (target - offset).min(max_burst);
-                let ttt = {
-                    let t = self.next_ttt;
-                    self.next_ttt = match t.wrapping_add(1) {
-                        RESERVED_TAG | 0 => 1,
-                        n => n,
-                    };
-                    t
-                };
+                let ttt = next_tag(&mut self.next_ttt);
                 r2ts.push(R2tState {
                     ttt,
                     end: offset + len,
@@ -1473,6 +1461,16 @@ impl<'a> Conn<'a> {
             self.close_after_flush = true;
         }
     }
+}
+
+/// Take the next target transfer tag from `next`: never the reserved tag, never 0.
+fn next_tag(next: &mut u32) -> u32 {
+    let t = *next;
+    *next = match t.wrapping_add(1) {
+        RESERVED_TAG | 0 => 1,
+        n => n,
+    };
+    t
 }
 
 /// `cdb` with its transfer length field (at `at`, `width` bytes) set to `blocks`.

@@ -10,7 +10,7 @@
 use bytes::{Bytes, BytesMut};
 
 use super::keys::{self, TextBuilder, answer};
-use super::login::{LoginConfig, SessionKind};
+use super::login::{LoginConfig, OPERATIONAL_KEYS, SessionKind};
 use super::pdu::{RESERVED_TAG, TextReq, TextResp};
 
 /// The longest request text joined across C-bit pieces.
@@ -66,32 +66,18 @@ pub fn respond(
             },
             // Operational and declarative keys are negotiated only at login; an
             // initiator's declaration of a new MaxRecvDataSegmentLength is not taken.
-            "HeaderDigest"
-            | "DataDigest"
-            | "MaxConnections"
-            | "InitialR2T"
-            | "ImmediateData"
-            | "MaxRecvDataSegmentLength"
-            | "MaxBurstLength"
-            | "FirstBurstLength"
-            | "DefaultTime2Wait"
-            | "DefaultTime2Retain"
-            | "MaxOutstandingR2T"
-            | "DataPDUInOrder"
-            | "DataSequenceInOrder"
-            | "ErrorRecoveryLevel"
-            | "AuthMethod"
-            | "InitiatorName"
-            | "TargetName"
-            | "SessionType"
-            | "InitiatorAlias"
-            | "TargetAlias"
-            | "TargetAddress"
-            | "TargetPortalGroupTag"
-            | "OFMarker"
-            | "IFMarker"
-            | "OFMarkInt"
-            | "IFMarkInt" => {
+            k if OPERATIONAL_KEYS.contains(&k)
+                || matches!(
+                    k,
+                    "AuthMethod"
+                        | "InitiatorName"
+                        | "TargetName"
+                        | "SessionType"
+                        | "TargetAlias"
+                        | "TargetAddress"
+                        | "TargetPortalGroupTag"
+                ) =>
+            {
                 out.push(&p.key, answer::REJECT);
             }
             _ => {
