@@ -139,22 +139,7 @@ impl Running {
 
 impl Drop for Running {
     fn drop(&mut self) {
-        // SIGTERM so vsan-node flushes and exits cleanly; then make sure.
-        for child in &self.nodes {
-            let pid = rustix::process::Pid::from_child(child);
-            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
-        }
-        let deadline = Instant::now() + Duration::from_secs(10);
-        for child in &mut self.nodes {
-            while Instant::now() < deadline {
-                if let Ok(Some(_)) = child.try_wait() {
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        crate::terminate_children(&mut self.nodes);
         self.tgtd = None;
     }
 }

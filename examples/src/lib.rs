@@ -23,6 +23,28 @@ pub fn target_work_dir(name: &str) -> std::path::PathBuf {
         .unwrap_or_else(|| std::path::Path::new("target").join(name))
 }
 
+/// Stop child processes the way a service manager would: SIGTERM to all (so a
+/// `vsan-node` drains, flushes and exits cleanly), up to 10 s for them to exit, then
+/// SIGKILL to whatever is left; every child is reaped.
+pub fn terminate_children(children: &mut [std::process::Child]) {
+    use std::time::{Duration, Instant};
+    for child in children.iter() {
+        let pid = rustix::process::Pid::from_child(child);
+        let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    for child in children.iter_mut() {
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = child.try_wait() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+}
+
 /// The median of `v` (NaN when empty).
 pub fn median(v: &[f64]) -> f64 {
     let mut v = v.to_vec();

@@ -59,6 +59,7 @@ struct Initiator {
     itt: u32,
     /// The target's MaxRecvDataSegmentLength.
     target_mrdsl: u32,
+    isid: [u8; 6],
 }
 
 fn keys(pairs: &[(&str, &str)]) -> Bytes {
@@ -95,6 +96,7 @@ impl Initiator {
             exp_stat_sn: 0,
             itt: 1,
             target_mrdsl: 8192,
+            isid: [0x80, 0, 0, 0x12, 0x34, 0x56],
         }
     }
 
@@ -206,7 +208,7 @@ impl Initiator {
             nsg,
             version_max: 0,
             version_min: 0,
-            isid: [0x80, 0, 0, 0x12, 0x34, 0x56],
+            isid: self.isid,
             tsih: 0,
             itt,
             cid: 0,
@@ -673,6 +675,73 @@ async fn abort_task_of_a_finished_task_says_it_does_not_exist() {
         Reply::TaskMgmtResp(r) => assert_eq!(r.response, 0x00),
         other => panic!("unexpected {other:?}"),
     }
+    server.shutdown();
+    server.wait_idle().await;
+}
+
+/// CLEAR TASK SET from one session aborts another session's task (here a WRITE waiting
+/// for its Data-Out, InitialR2T being the default), and that session's next command
+/// sees COMMANDS CLEARED BY ANOTHER INITIATOR (the control page's TAS is off).
+#[tokio::test]
+async fn clear_task_set_tells_the_other_session_its_commands_were_cleared() {
+    let (server, addr, _) = start(ServerOptions::default()).await;
+    let mut a = Initiator::connect(addr).await;
+    a.login(Some(IQN), &[]).await;
+    a.run_clear_ua(&[0u8; 6], 0, &[], 0).await;
+    let mut b = Initiator::connect(addr).await;
+    b.isid = [0x80, 0, 0, 0x12, 0x34, 0x57];
+    b.login(Some(IQN), &[("ImmediateData", "No")]).await;
+    b.run_clear_ua(&[0u8; 6], 0, &[], 0).await;
+    let w = b.command(
+        &write10(0, 8, false),
+        false,
+        true,
+        8 * BLOCK,
+        Bytes::new(),
+        true,
+    );
+    b.send(Request::Command(w)).await;
+    match b.recv_reply().await {
+        Reply::R2t(_) => {}
+        other => panic!("expected an R2T, got {other:?}"),
+    }
+    let itt = a.next_itt();
+    a.send(Request::TaskMgmt(TaskMgmtReq {
+        header: [0; 48],
+        immediate: true,
+        function: 4,
+        lun: 0,
+        itt,
+        ref_itt: 0xffff_ffff,
+        cmd_sn: a.cmd_sn,
+        exp_stat_sn: a.exp_stat_sn,
+        ref_cmd_sn: 0,
+        exp_data_sn: 0,
+    }))
+    .await;
+    match a.recv_reply().await {
+        Reply::TaskMgmtResp(r) => assert_eq!(r.response, 0x00),
+        other => panic!("unexpected {other:?}"),
+    }
+    // The issuer sees no unit attention; the other session does, once.
+    let (status, _, _) = a.run(&[0u8; 6], 0, &[], 0).await;
+    assert_eq!(status, 0, "no unit attention for the issuer");
+    let (status, _, resp) = b.run(&[0u8; 6], 0, &[], 0).await;
+    assert_eq!(status, 2, "CHECK CONDITION");
+    let sense = resp.unwrap().sense;
+    assert_eq!(sense_key(&sense), Some(0x06));
+    let (asc, ascq) = if sense[0] & 0x7f >= 0x72 {
+        (sense[2], sense[3])
+    } else {
+        (sense[12], sense[13])
+    };
+    assert_eq!(
+        (asc, ascq),
+        (0x2F, 0x00),
+        "COMMANDS CLEARED BY ANOTHER INITIATOR"
+    );
+    let (status, _, _) = b.run(&[0u8; 6], 0, &[], 0).await;
+    assert_eq!(status, 0, "the unit attention is reported once");
     server.shutdown();
     server.wait_idle().await;
 }

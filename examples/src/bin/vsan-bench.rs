@@ -420,22 +420,7 @@ struct Running {
 
 impl Drop for Running {
     fn drop(&mut self) {
-        // SIGTERM first so vsan-node flushes and exits cleanly; then make sure.
-        for child in &mut self.children {
-            let pid = rustix::process::Pid::from_child(child);
-            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
-        }
-        let deadline = Instant::now() + Duration::from_secs(10);
-        for child in &mut self.children {
-            while Instant::now() < deadline {
-                if let Ok(Some(_)) = child.try_wait() {
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        vsan_examples::terminate_children(&mut self.children);
     }
 }
 

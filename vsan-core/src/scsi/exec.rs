@@ -329,7 +329,7 @@ impl LogicalUnit {
                     }
                 }
                 if fx.aborts.iter().any(|r| r.matches(&n.nexus)) {
-                    n.bump_aborts(tas);
+                    n.bump_aborts(tas, false);
                 }
             }
         }

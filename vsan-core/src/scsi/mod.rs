@@ -325,10 +325,11 @@ impl NexusState {
         s
     }
 
-    fn bump_aborts(&self, tas: bool) {
+    fn bump_aborts(&self, tas: bool, cleared: bool) {
         self.aborts.send_modify(|a| {
             a.count += 1;
             a.tas = tas;
+            a.cleared = cleared;
         });
     }
 }
@@ -389,6 +390,11 @@ pub struct Aborts {
     /// Whether aborted tasks should be answered with TASK ABORTED status (the control
     /// mode page's TAS bit) rather than not at all.
     pub tas: bool,
+    /// Whether the latest abort was another nexus's CLEAR TASK SET: with `tas` off, a
+    /// nexus that lost tasks to it raises COMMANDS CLEARED BY ANOTHER INITIATOR
+    /// ([`sense::UA_COMMANDS_CLEARED`]) on itself (SAM-5), which only the transport can
+    /// decide, since only it knows whether it had tasks.
+    pub cleared: bool,
 }
 
 impl LogicalUnit {
@@ -574,7 +580,7 @@ impl LogicalUnit {
     /// | function | effect |
     /// |---|---|
     /// | ABORT TASK SET | none |
-    /// | CLEAR TASK SET | the other nexuses' tasks aborted |
+    /// | CLEAR TASK SET | the other nexuses' tasks aborted (with TAS off, each that had some raises UA 2F/00, see [`Aborts::cleared`]) |
     /// | LOGICAL UNIT RESET | others' tasks aborted, UA 29/03 on every nexus (the issuer's too), SCSI-2 reservation released |
     /// | TARGET WARM RESET | as LU reset with UA 29/02, not on the issuer |
     /// | TARGET COLD RESET | as LU reset with UA 29/01 (not on the issuer), mode pages to defaults, PR state without APTPL cleared |
@@ -612,7 +618,7 @@ impl LogicalUnit {
                 n.push_ua(s);
             }
             if abort {
-                n.bump_aborts(tas);
+                n.bump_aborts(tas, function == TaskFunction::ClearTaskSet);
             }
         }
         Ok(())

@@ -176,6 +176,8 @@ pub const UA_REGISTRATIONS_PREEMPTED: Sense = Sense::new(UnitAttention, 0x2A, 0x
 pub const UA_ALUA_CHANGED: Sense = Sense::new(UnitAttention, 0x2A, 0x06);
 /// CAPACITY DATA HAS CHANGED.
 pub const UA_CAPACITY_CHANGED: Sense = Sense::new(UnitAttention, 0x2A, 0x09);
+/// COMMANDS CLEARED BY ANOTHER INITIATOR.
+pub const UA_COMMANDS_CLEARED: Sense = Sense::new(UnitAttention, 0x2F, 0x00);
 
 /// What kind of medium access failed, for the MEDIUM ERROR ASC.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

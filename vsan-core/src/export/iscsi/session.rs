@@ -522,7 +522,7 @@ impl<'a> Conn<'a> {
                     }
                 } => {
                     match changed {
-                        Ok(a) => self.aborted_from_outside(a.tas),
+                        Ok(a) => self.aborted_from_outside(a),
                         Err(_) => aborts = None,
                     }
                 }
@@ -1183,9 +1183,15 @@ impl<'a> Conn<'a> {
     }
 
     /// Another nexus (or a reset) aborted this nexus's tasks.
-    fn aborted_from_outside(&mut self, tas: bool) {
-        debug!(peer = %self.peer, tas, "tasks aborted from outside this session");
-        self.abort_tasks(|_| true, tas);
+    fn aborted_from_outside(&mut self, a: scsi::Aborts) {
+        let had = self.tasks.len();
+        debug!(peer = %self.peer, tas = a.tas, tasks = had, "tasks aborted from outside this session");
+        self.abort_tasks(|_| true, a.tas);
+        if a.cleared && !a.tas && had > 0 {
+            if let Some((_, nexus)) = self.lu {
+                nexus.raise_unit_attention(scsi::sense::UA_COMMANDS_CLEARED);
+            }
+        }
     }
 
     /// Abort the tasks `which` picks: those not yet running go at once, running ones are

@@ -875,11 +875,13 @@ async fn task_management_bumps_the_aborts_of_others() {
     let wb = b.aborts();
     lu.task_management(&a, TaskFunction::ClearTaskSet).unwrap();
     assert_eq!(wb.borrow().count, 1);
+    assert!(wb.borrow().cleared, "CLEAR TASK SET says so");
     assert_eq!(wa.borrow().count, 0);
     lu.task_management(&a, TaskFunction::AbortTaskSet).unwrap();
     assert_eq!(wb.borrow().count, 1);
     lu.task_management(&a, TaskFunction::TargetWarmReset)
         .unwrap();
+    assert!(!wb.borrow().cleared, "a reset is no CLEAR TASK SET");
     assert_eq!(
         sense_of(&run(&lu, &b, &[TEST_UNIT_READY, 0, 0, 0, 0, 0], &[]).await),
         (6, 0x29, 0x02)
