@@ -12,7 +12,7 @@
 //! A missing tool (gcc, pkg-config, readelf, valgrind, make) skips its test with a
 //! `SKIP:` line, or fails it when `VSAN_REQUIRE_INTEROP=1`.
 
-mod common;
+use crate::common;
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};

@@ -9,7 +9,7 @@
 //! missing fio skips its test with a `SKIP:` line, or fails it when
 //! `VSAN_REQUIRE_INTEROP=1`.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

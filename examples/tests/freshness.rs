@@ -19,7 +19,7 @@
 //! A missing tool skips its test with a `SKIP:` line, or fails it when
 //! `VSAN_REQUIRE_INTEROP=1`.
 
-mod common;
+use crate::common;
 
 use std::thread;
 use std::time::{Duration, Instant};

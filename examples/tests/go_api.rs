@@ -15,7 +15,7 @@
 //! Needs go (1.18 or newer), a C compiler and pkg-config: without them the test prints
 //! a `SKIP:` line, or fails when `VSAN_REQUIRE_INTEROP=1`.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -11,7 +11,7 @@
 //! Debian's tgtd (root needed) and checks the figures TESTING.md records for it; it is
 //! how the output format this file parses was learned.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -218,7 +218,7 @@ fn cunit_output_parses_into_failures_and_skips() {
 
 /// The baseline TESTING.md records: Debian's tgt 1.0.85 with a file LUN fails 17 of 615
 /// test runs and prints 205 `[SKIPPED]` lines. Needs root and tgtd; run with
-/// `cargo test -p vsan-examples --release --test iscsi_conformance -- --ignored`.
+/// `cargo test -p vsan-examples --release --test nodes -- --ignored iscsi_conformance::`.
 #[test]
 #[ignore = "runs tgtd (root) and the whole suite for a minute: a baseline, not a check of vsan"]
 fn tgtd_baseline_matches_testing_md() {

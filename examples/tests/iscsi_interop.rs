@@ -8,13 +8,13 @@
 //!
 //! The ignored `tgtd_*` tests run the client side of the same checks against Debian's
 //! tgtd (root needed): they show the checks themselves work, independently of vsan's
-//! target. Run them with `cargo test -p vsan-examples --test iscsi_interop -- --ignored
-//! tgtd_`.
+//! target. Run them with `cargo test --release -p vsan-examples --test nodes --
+//! --ignored iscsi_interop::tgtd_`.
 //!
 //! A missing tool skips its test with a `SKIP:` line, or fails it when
 //! `VSAN_REQUIRE_INTEROP=1`.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::{Command, Stdio};

@@ -4,7 +4,7 @@
 //! portal beyond loopback without CHAP is warned about, one with CHAP is not; a config
 //! with a short CHAP secret exits 2 naming the key, without showing the secret.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -9,7 +9,7 @@
 //! A missing tool skips its test with a `SKIP:` line, or fails it when
 //! `VSAN_REQUIRE_INTEROP=1`.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

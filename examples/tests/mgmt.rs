@@ -16,7 +16,7 @@
 //! Node 1 (the lower id) dials, node 2 listens. A missing qemu-io
 //! skips a test with a `SKIP:` line, or fails it when `VSAN_REQUIRE_INTEROP=1`.
 
-mod common;
+use crate::common;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};

@@ -3,7 +3,7 @@
 //! is used through NBD from both sides, and is deleted; each step shows in the status,
 //! and deleting a disk with a connected NBD client is refused unless forced.
 
-mod common;
+use crate::common;
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};

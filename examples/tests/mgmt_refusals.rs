@@ -10,7 +10,7 @@
 //! A missing qemu-io (or openssl, for TLS) skips a test with a `SKIP:` line, or fails it
 //! when `VSAN_REQUIRE_INTEROP=1`.
 
-mod common;
+use crate::common;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;

@@ -2,7 +2,7 @@
 //! one `config error` line naming the key and the problem (and touches no existing
 //! image); a good one serves its disks and stops cleanly on SIGINT. No outside tools.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

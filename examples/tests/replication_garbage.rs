@@ -9,7 +9,7 @@
 //! A missing qemu-io skips the test with a `SKIP:` line, or fails it when
 //! `VSAN_REQUIRE_INTEROP=1`.
 
-mod common;
+use crate::common;
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, TcpStream};

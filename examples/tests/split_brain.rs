@@ -19,7 +19,7 @@
 //! of the fresh pair before it starts. A missing qemu-io skips a test with a `SKIP:` line,
 //! or fails it when `VSAN_REQUIRE_INTEROP=1`.
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::thread;

@@ -4,7 +4,7 @@
 //! with `ERR` and does not stop the service, and that a node learns quickly when the
 //! witness cannot be reached. Also checks the fault proxy the mirror tests cut links with.
 
-mod common;
+use crate::common;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener as StdListener, TcpStream as StdStream};

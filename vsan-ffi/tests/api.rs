@@ -7,7 +7,7 @@ use std::sync::mpsc;
 
 use vsan::*;
 
-mod common;
+use crate::common;
 use common::{last_error, mem_node, node_from, open, to_channel};
 
 #[test]

@@ -3,7 +3,7 @@
 //! logical unit's identity on both nodes of a mirrored disk, bind and secret-file
 //! refusals, the management status and metrics, and the same config through the C ABI.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;

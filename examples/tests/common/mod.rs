@@ -6,7 +6,7 @@
 //! live in the directory, so tests never collide and never leave loopback). Outside tools
 //! run with a time limit; every child process sits in a guard that ends it on drop, so a
 //! failing assertion leaves nothing running.
-// Each test binary uses a different part of this module.
+// Each test module uses a different part of this module.
 #![allow(dead_code)]
 
 pub mod fio;

@@ -1,6 +1,6 @@
 //! Helpers of the C ABI's Rust tests: opening nodes and disks, reading the last error,
 //! a completion callback that reports on a channel.
-// Each test binary uses a different part of this module.
+// Each test module uses a different part of this module.
 #![allow(dead_code)]
 
 use std::ffi::{CString, c_void};
