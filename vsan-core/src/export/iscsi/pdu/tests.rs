@@ -1,3 +1,6 @@
+use bytes::BytesMut;
+
+use super::frame::be32;
 use super::*;
 
 const BOTH: Digests = Digests {
