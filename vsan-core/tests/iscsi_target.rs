@@ -322,6 +322,29 @@ impl Initiator {
         }
     }
 
+    /// Send an immediate Task Management Function Request for LUN 0 and return the
+    /// response code of its answer.
+    async fn task_mgmt(&mut self, function: u8, ref_itt: u32, ref_cmd_sn: u32) -> u8 {
+        let itt = self.next_itt();
+        self.send(Request::TaskMgmt(TaskMgmtReq {
+            header: [0; 48],
+            immediate: true,
+            function,
+            lun: 0,
+            itt,
+            ref_itt,
+            cmd_sn: self.cmd_sn,
+            exp_stat_sn: self.exp_stat_sn,
+            ref_cmd_sn,
+            exp_data_sn: 0,
+        }))
+        .await;
+        match self.recv_reply().await {
+            Reply::TaskMgmtResp(r) => r.response,
+            other => panic!("expected a Task Management Function Response, got {other:?}"),
+        }
+    }
+
     /// Run a command until it is not answered by a unit attention.
     async fn run_clear_ua(
         &mut self,
@@ -638,43 +661,9 @@ async fn abort_task_of_a_finished_task_says_it_does_not_exist() {
     let mut ini = Initiator::connect(addr).await;
     ini.login(Some(IQN), &[]).await;
     ini.run_clear_ua(&[0u8; 6], 0, &[], 0).await;
-    let itt = ini.next_itt();
-    ini.send(Request::TaskMgmt(TaskMgmtReq {
-        header: [0; 48],
-        immediate: true,
-        function: 1,
-        lun: 0,
-        itt,
-        ref_itt: 12345,
-        cmd_sn: ini.cmd_sn,
-        exp_stat_sn: ini.exp_stat_sn,
-        ref_cmd_sn: 1,
-        exp_data_sn: 0,
-    }))
-    .await;
-    match ini.recv_reply().await {
-        Reply::TaskMgmtResp(r) => assert_eq!(r.response, 0x01),
-        other => panic!("unexpected {other:?}"),
-    }
+    assert_eq!(ini.task_mgmt(1, 12345, 1).await, 0x01);
     // LUN RESET completes; the next command sees the reset unit attention.
-    let itt = ini.next_itt();
-    ini.send(Request::TaskMgmt(TaskMgmtReq {
-        header: [0; 48],
-        immediate: true,
-        function: 5,
-        lun: 0,
-        itt,
-        ref_itt: 0xffff_ffff,
-        cmd_sn: ini.cmd_sn,
-        exp_stat_sn: ini.exp_stat_sn,
-        ref_cmd_sn: 0,
-        exp_data_sn: 0,
-    }))
-    .await;
-    match ini.recv_reply().await {
-        Reply::TaskMgmtResp(r) => assert_eq!(r.response, 0x00),
-        other => panic!("unexpected {other:?}"),
-    }
+    assert_eq!(ini.task_mgmt(5, 0xffff_ffff, 0).await, 0x00);
     server.shutdown();
     server.wait_idle().await;
 }
@@ -705,24 +694,7 @@ async fn clear_task_set_tells_the_other_session_its_commands_were_cleared() {
         Reply::R2t(_) => {}
         other => panic!("expected an R2T, got {other:?}"),
     }
-    let itt = a.next_itt();
-    a.send(Request::TaskMgmt(TaskMgmtReq {
-        header: [0; 48],
-        immediate: true,
-        function: 4,
-        lun: 0,
-        itt,
-        ref_itt: 0xffff_ffff,
-        cmd_sn: a.cmd_sn,
-        exp_stat_sn: a.exp_stat_sn,
-        ref_cmd_sn: 0,
-        exp_data_sn: 0,
-    }))
-    .await;
-    match a.recv_reply().await {
-        Reply::TaskMgmtResp(r) => assert_eq!(r.response, 0x00),
-        other => panic!("unexpected {other:?}"),
-    }
+    assert_eq!(a.task_mgmt(4, 0xffff_ffff, 0).await, 0x00);
     // The issuer sees no unit attention; the other session does, once.
     let (status, _, _) = a.run(&[0u8; 6], 0, &[], 0).await;
     assert_eq!(status, 0, "no unit attention for the issuer");

@@ -619,14 +619,14 @@ pub fn pdu_seeds() -> Vec<Vec<u8>> {
     seeds
 }
 
-/// One of every request, with fields set.
+/// One of every request, with every field set to something distinct.
 pub fn sample_requests() -> Vec<Request> {
     let h = [0u8; BHS_LEN];
     vec![
         Request::NopOut(NopOut {
             header: h,
             immediate: true,
-            lun: 0,
+            lun: 0x0001_0000_0000_0000,
             itt: 7,
             ttt: RESERVED_TAG,
             cmd_sn: 11,
@@ -645,7 +645,7 @@ pub fn sample_requests() -> Vec<Request> {
             expected_len: 4096,
             cmd_sn: 99,
             exp_stat_sn: 98,
-            cdb: Bytes::from_static(&[0x28, 0, 0, 0, 0, 8, 0, 0, 8, 0, 0, 0, 0, 0, 0, 0]),
+            cdb: Bytes::from(vec![0x28, 0, 0, 0, 0, 8, 0, 0, 8, 0, 0, 0, 0, 0, 0, 0]),
             bidi_read_len: None,
             data: Bytes::new(),
         }),
@@ -714,7 +714,7 @@ pub fn sample_requests() -> Vec<Request> {
             exp_stat_sn: 4,
             data_sn: 2,
             offset: 8192,
-            data: Bytes::from(vec![1; 1024]),
+            data: Bytes::from(vec![1; 8192]),
         }),
         Request::Logout(LogoutReq {
             header: h,

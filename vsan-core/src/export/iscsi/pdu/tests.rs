@@ -2,6 +2,7 @@ use bytes::BytesMut;
 
 use super::frame::be32;
 use super::*;
+use crate::export::iscsi::fuzzing::sample_requests;
 
 const BOTH: Digests = Digests {
     header: true,
@@ -25,126 +26,6 @@ const ALL_DIGESTS: [Digests; 4] = [
 
 fn z() -> [u8; BHS_LEN] {
     [0; BHS_LEN]
-}
-
-/// One of every request, with every field set to something distinct.
-pub(super) fn sample_requests() -> Vec<Request> {
-    let mut cdb32 = vec![0x7f_u8; 32];
-    cdb32[0] = 0x7f;
-    vec![
-        Request::NopOut(NopOut {
-            header: z(),
-            immediate: true,
-            lun: 0x0001_0000_0000_0000,
-            itt: 7,
-            ttt: RESERVED_TAG,
-            cmd_sn: 11,
-            exp_stat_sn: 12,
-            data: Bytes::from_static(b"ping!"),
-        }),
-        Request::Command(ScsiCommand {
-            header: z(),
-            immediate: false,
-            final_: true,
-            read: true,
-            write: false,
-            attr: 1,
-            lun: 0,
-            itt: 0x1234_5678,
-            expected_len: 4096,
-            cmd_sn: 99,
-            exp_stat_sn: 98,
-            cdb: Bytes::from(vec![0x28, 0, 0, 0, 0, 8, 0, 0, 8, 0, 0, 0, 0, 0, 0, 0]),
-            bidi_read_len: None,
-            data: Bytes::new(),
-        }),
-        Request::Command(ScsiCommand {
-            header: z(),
-            immediate: true,
-            final_: false,
-            read: true,
-            write: true,
-            attr: 2,
-            lun: 3,
-            itt: 1,
-            expected_len: 512,
-            cmd_sn: 2,
-            exp_stat_sn: 3,
-            cdb: Bytes::from(cdb32),
-            bidi_read_len: Some(1024),
-            data: Bytes::from(vec![0xa5; 511]),
-        }),
-        Request::TaskMgmt(TaskMgmtReq {
-            header: z(),
-            immediate: true,
-            function: 1,
-            lun: 5,
-            itt: 6,
-            ref_itt: 7,
-            cmd_sn: 8,
-            exp_stat_sn: 9,
-            ref_cmd_sn: 10,
-            exp_data_sn: 11,
-        }),
-        Request::Login(LoginReq {
-            header: z(),
-            transit: true,
-            cont: false,
-            csg: 1,
-            nsg: 3,
-            version_max: 0,
-            version_min: 0,
-            isid: [0x80, 1, 2, 3, 4, 5],
-            tsih: 0,
-            itt: 0,
-            cid: 1,
-            cmd_sn: 0,
-            exp_stat_sn: 0,
-            data: Bytes::from_static(b"InitiatorName=iqn.x\0"),
-        }),
-        Request::Text(TextReq {
-            header: z(),
-            immediate: true,
-            final_: true,
-            cont: false,
-            lun: 0,
-            itt: 3,
-            ttt: RESERVED_TAG,
-            cmd_sn: 4,
-            exp_stat_sn: 5,
-            data: Bytes::from_static(b"SendTargets=All\0"),
-        }),
-        Request::DataOut(DataOut {
-            header: z(),
-            final_: true,
-            lun: 0,
-            itt: 9,
-            ttt: 0x10,
-            exp_stat_sn: 4,
-            data_sn: 2,
-            offset: 8192,
-            data: Bytes::from(vec![1; 8192]),
-        }),
-        Request::Logout(LogoutReq {
-            header: z(),
-            immediate: true,
-            reason: 0,
-            itt: 44,
-            cid: 1,
-            cmd_sn: 45,
-            exp_stat_sn: 46,
-        }),
-        Request::Snack(SnackReq {
-            header: z(),
-            kind: 1,
-            lun: 0,
-            itt: 4,
-            ttt: 5,
-            exp_stat_sn: 6,
-            beg_run: 7,
-            run_length: 8,
-        }),
-    ]
 }
 
 fn sample_replies() -> Vec<Reply> {
