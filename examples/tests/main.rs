@@ -14,6 +14,7 @@ mod go_api;
 mod interop;
 mod iscsi_conformance;
 mod iscsi_interop;
+mod iscsi_multipath;
 mod iscsi_node;
 mod metrics;
 mod mgmt;

@@ -859,6 +859,75 @@ impl RawConn {
         }
     }
 
+    /// Run `cdb` expecting up to `edtl` bytes of data in: the status, the data and the
+    /// sense bytes (empty unless CHECK CONDITION).
+    pub fn command_in(&mut self, cdb: &[u8], edtl: u32) -> Result<Answer, String> {
+        let (itt, pdu) = self.scsi_cmd(cdb, edtl > 0, edtl);
+        self.send(&pdu)
+            .map_err(|e| format!("send CDB {:#04x}: {e}", cdb[0]))?;
+        let deadline = Instant::now() + TOOL_TIMEOUT;
+        let mut data = Vec::new();
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.recv(left) {
+                Reply::Pdu(p) if p.itt() == itt && p.opcode() == op::DATA_IN => {
+                    data.extend_from_slice(&p.data);
+                    if p.bhs[1] & 0x01 != 0 {
+                        return Ok(Answer {
+                            status: p.bhs[3],
+                            data,
+                            sense: Vec::new(),
+                        });
+                    }
+                }
+                Reply::Pdu(p) if p.itt() == itt && p.opcode() == op::SCSI_RSP => {
+                    // The data segment of a response with sense: SenseLength, then sense.
+                    let sense = match p.data.get(..2) {
+                        Some(l) => {
+                            let n = usize::from(u16::from_be_bytes([l[0], l[1]]));
+                            p.data.get(2..2 + n).unwrap_or(&[]).to_vec()
+                        }
+                        None => Vec::new(),
+                    };
+                    return Ok(Answer {
+                        status: p.bhs[3],
+                        data,
+                        sense,
+                    });
+                }
+                Reply::Pdu(p) if p.opcode() == op::REJECT => {
+                    return Err(format!("Reject, reason {:#04x}", p.bhs[2]));
+                }
+                Reply::Pdu(_) => {}
+                other => return Err(format!("no SCSI status for ITT {itt}: {other:?}")),
+            }
+        }
+    }
+
+    /// REPORT TARGET PORT GROUPS: `(group id, ALUA state)` of every group, after
+    /// retrying the unit attentions it may answer first (a new nexus's reset, a state
+    /// change).
+    pub fn report_target_port_groups(&mut self) -> Result<Vec<(u16, u8)>, String> {
+        let mut cdb = [0u8; 12];
+        cdb[0] = 0xA3;
+        cdb[1] = 0x0A;
+        cdb[6..10].copy_from_slice(&4096u32.to_be_bytes());
+        for _ in 0..8 {
+            let a = self.command_in(&cdb, 4096)?;
+            if a.status == 0x02 && a.sense_key() == Some(0x06) {
+                continue;
+            }
+            if a.status != 0 {
+                return Err(format!(
+                    "REPORT TARGET PORT GROUPS: status {:#04x}, sense {:02x?}",
+                    a.status, a.sense
+                ));
+            }
+            return Ok(parse_rtpg(&a.data));
+        }
+        Err("REPORT TARGET PORT GROUPS kept answering UNIT ATTENTION".into())
+    }
+
     /// A working session: TEST UNIT READY answered (retried once for the unit attention
     /// a new nexus may get first).
     pub fn assert_serves(&mut self, what: &str) {
@@ -872,6 +941,55 @@ impl RawConn {
         }
         panic!("{what}: TEST UNIT READY kept answering CHECK CONDITION");
     }
+}
+
+/// What a command returned.
+#[derive(Debug, Clone)]
+pub struct Answer {
+    /// The SCSI status.
+    pub status: u8,
+    /// The data in.
+    pub data: Vec<u8>,
+    /// The sense bytes (fixed or descriptor format).
+    pub sense: Vec<u8>,
+}
+
+impl Answer {
+    /// The sense key, if there is sense data.
+    pub fn sense_key(&self) -> Option<u8> {
+        match self.sense.first()? & 0x7f {
+            0x70 | 0x71 => Some(self.sense.get(2)? & 0x0f),
+            0x72 | 0x73 => Some(self.sense.get(1)? & 0x0f),
+            _ => None,
+        }
+    }
+
+    /// The additional sense code and qualifier, if there is sense data.
+    pub fn asc_ascq(&self) -> Option<(u8, u8)> {
+        match self.sense.first()? & 0x7f {
+            0x70 | 0x71 => Some((*self.sense.get(12)?, *self.sense.get(13)?)),
+            0x72 | 0x73 => Some((*self.sense.get(2)?, *self.sense.get(3)?)),
+            _ => None,
+        }
+    }
+}
+
+/// The `(group id, ALUA state)` pairs of REPORT TARGET PORT GROUPS data (length format).
+pub fn parse_rtpg(data: &[u8]) -> Vec<(u16, u8)> {
+    let mut groups = Vec::new();
+    let Some(len) = data.get(..4) else {
+        return groups;
+    };
+    let end = (4 + u32::from_be_bytes([len[0], len[1], len[2], len[3]]) as usize).min(data.len());
+    let mut at = 4;
+    while at + 8 <= end {
+        let state = data[at] & 0x0f;
+        let id = u16::from_be_bytes([data[at + 2], data[at + 3]]);
+        let ports = usize::from(data[at + 7]);
+        groups.push((id, state));
+        at += 8 + 4 * ports;
+    }
+    groups
 }
 
 /// A READ(16) CDB.

@@ -20,6 +20,7 @@
 //! without it), `mgmt.rs` (the management service, feature `mgmt`). A config that asks
 //! for a service the build lacks is refused at start.
 
+mod alua;
 mod cache;
 pub mod config;
 #[cfg(feature = "metrics")]
@@ -231,6 +232,8 @@ pub struct Node {
     /// One iSCSI server per portal, and their accept tasks.
     iscsi_servers: Vec<IscsiServer>,
     iscsi_tasks: Vec<JoinHandle<vsan_core::Result<()>>>,
+    /// The mirrored disks' logical units whose ALUA states follow their mirrors.
+    alua: Vec<alua::AluaFollower>,
     background: Vec<JoinHandle<()>>,
     sockets: Vec<PathBuf>,
     ready_lines: Vec<String>,
@@ -317,6 +320,10 @@ impl Node {
         let servers = std::mem::take(&mut self.servers);
         for server in &servers {
             server.shutdown();
+        }
+        // Initiators with a path through the peer move their I/O there.
+        for f in &mut self.alua {
+            f.shutting_down();
         }
         let iscsi_servers = std::mem::take(&mut self.iscsi_servers);
         for server in &iscsi_servers {

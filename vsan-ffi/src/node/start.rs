@@ -23,6 +23,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::{TcpListener, UnixListener};
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tracing::{info, warn};
 use vsan_core::export::iscsi::{Chap, Server as IscsiServer, Target};
@@ -37,8 +38,9 @@ use vsan_replica::protocol::{
 use vsan_replica::transport::tcp::TcpTransport;
 use vsan_replica::transport::{Listener as PeerListener, Transport};
 use vsan_replica::witness::WitnessClient;
-use vsan_replica::{MirroredDisk, Replica, meta_params};
+use vsan_replica::{MirrorStatus, MirroredDisk, Replica, meta_params};
 
+use super::alua::{self, AluaFollower};
 use super::cache::{CacheFile, inspect_cache, open_cache};
 use super::config::{
     self, Backing, Config, DiskSection, NbdAddr, PeerSection, Quorum, Rate, SplitBrain,
@@ -161,6 +163,7 @@ impl Node {
             server_tasks: served.tasks,
             iscsi_servers: portals.servers,
             iscsi_tasks: portals.tasks,
+            alua: portals.alua,
             background: background.into_inner(),
             sockets: served.sockets,
             ready_lines,
@@ -627,22 +630,13 @@ async fn bind_portals(config: &Config) -> Result<Vec<BoundPortal>, StartError> {
     Ok(bound)
 }
 
-/// The relative target port (and target port group) of this node's port to a disk: 1
-/// for a local disk and for the lower node id of a mirrored pair, 2 for the higher, so
-/// the two nodes that serve the same logical unit give it two distinct ports.
-fn relative_port(node_id: u32, peer: Option<u32>) -> u16 {
-    match peer {
-        Some(p) if p < node_id => 2,
-        _ => 1,
-    }
-}
-
 /// The logical unit of disk `d` over `device` (the disk's client-facing device, the one
 /// NBD serves), as this node presents it through target `iqn`.
 ///
 /// Its identity comes from the mirror's disk id ([`DiskId::from_name`]: the disk's name,
 /// which both nodes of a mirrored disk carry and check against each other in the
-/// handshake), so both nodes report the same logical unit. The SCSI state (persistent
+/// handshake), so both nodes report the same logical unit; its port, port group and
+/// portal group tag are this node's own ([`alua::relative_port`]). The SCSI state (persistent
 /// reservations, saved mode pages) is kept beside the disk's metadata, in
 /// `data_dir/<name>.scsi-state`; a RAM disk keeps it in memory.
 fn logical_unit(
@@ -652,11 +646,11 @@ fn logical_unit(
     device: Arc<dyn BlockDevice>,
 ) -> Result<Arc<LogicalUnit>, StartError> {
     let node = &config.node;
-    let id = relative_port(node.id, d.peer);
+    let id = alua::relative_port(node.id, d.peer);
     let lu_config = LuConfig {
         identity: LuIdentity::from_disk_id(&DiskId::from_name(&d.name).to_string()),
         port: TargetPort {
-            name: format!("{iqn},t,0x0001"),
+            name: format!("{iqn},t,0x{id:04x}"),
             relative_id: id,
             group: id,
         },
@@ -671,13 +665,19 @@ fn logical_unit(
 }
 
 /// The iSCSI servers of a node, one per portal, before they serve: each with its
-/// listener and its `ready` lines.
-struct PortalTargets(Vec<(IscsiServer, TcpListener, Vec<String>)>);
+/// listener and its `ready` lines; and the logical units of mirrored disks, whose port
+/// groups follow their mirrors once they serve.
+struct PortalTargets {
+    portals: Vec<(IscsiServer, TcpListener, Vec<String>)>,
+    alua: Vec<(AluaFollower, watch::Receiver<MirrorStatus>)>,
+}
 
-/// The iSCSI servers of a started node, one per portal, with their accept tasks.
+/// The iSCSI servers of a started node, one per portal, with their accept tasks, and the
+/// ALUA followers of its mirrored disks' logical units.
 struct ServedPortals {
     servers: Vec<IscsiServer>,
     tasks: Vec<JoinHandle<vsan_core::Result<()>>>,
+    alua: Vec<AluaFollower>,
 }
 
 /// Each bound portal's targets: each disk LUN 0 of its own target, over the same device
@@ -690,6 +690,7 @@ fn targets_of_portals(
     disks: &mut [NodeDisk],
 ) -> Result<PortalTargets, StartError> {
     let mut portals = Vec::new();
+    let mut alua = Vec::new();
     for BoundPortal { listener, members } in bound {
         let local = listener.local_addr().map_err(|e| {
             StartError::Runtime(format!("iSCSI portal of disk[{}]: {e}", members[0].0))
@@ -703,7 +704,16 @@ fn targets_of_portals(
             };
             let iqn = d.iscsi_target_name();
             let lu = logical_unit(config, d, &iqn, Arc::clone(&disk.device))?;
-            let mut target = Target::new(iqn.clone(), lu).with_alias(d.name.clone());
+            let own = lu.port().relative_id;
+            if let (Some(mirror), Some(peer)) = (&disk.mirror, disk.peer_id) {
+                let peer = alua::relative_port(peer, Some(config.node.id));
+                let rx = mirror.watch_status();
+                let follower = AluaFollower::new(&d.name, Arc::clone(&lu), own, peer, &rx.borrow());
+                alua.push((follower, rx));
+            }
+            let mut target = Target::new(iqn.clone(), lu)
+                .with_alias(d.name.clone())
+                .with_portal_group_tag(own);
             match chap {
                 Some(chap) => {
                     info!(disk = %d.name, target = %iqn, user = %chap.initiator.user,
@@ -741,7 +751,7 @@ fn targets_of_portals(
         }
         portals.push((server, listener, lines));
     }
-    Ok(PortalTargets(portals))
+    Ok(PortalTargets { portals, alua })
 }
 
 impl PortalTargets {
@@ -751,8 +761,13 @@ impl PortalTargets {
         let mut served = ServedPortals {
             servers: Vec::new(),
             tasks: Vec::new(),
+            alua: Vec::new(),
         };
-        for (server, listener, lines) in self.0 {
+        for (mut follower, rx) in self.alua {
+            follower.start(rx);
+            served.alua.push(follower);
+        }
+        for (server, listener, lines) in self.portals {
             ready_lines.extend(lines);
             let s = server.clone();
             served

@@ -42,7 +42,7 @@ use crate::transport::Link;
 use crate::witness::WitnessClient;
 
 use driver::Driver;
-pub use status::{MirrorStatus, SyncStart};
+pub use status::{MirrorStatus, Serving, SyncStart};
 use status::{Observed, status_of};
 use witness_worker::witness_worker;
 

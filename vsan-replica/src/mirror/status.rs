@@ -53,7 +53,57 @@ pub struct MirrorStatus {
     pub unproven_since: Option<SystemTime>,
 }
 
+/// Whether a node can serve a mirrored disk's I/O now, as a front door reports it to
+/// clients that can choose another path (iSCSI's ALUA states, see
+/// [`MirrorStatus::serving`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Serving {
+    /// I/O is served (mirrored, degraded, or through the peer while a resync runs).
+    Ready,
+    /// I/O waits: the replica is not yet proven current, or requests are held until
+    /// quorum or the peer returns. It may become ready by itself (ALUA: transitioning).
+    Waiting,
+    /// I/O cannot be served here (ALUA: unavailable): no complete copy is reachable
+    /// from this node, or quorum is lost with the io-error policy, or the node is
+    /// shutting down.
+    Unable,
+}
+
 impl MirrorStatus {
+    /// Whether this node serves the disk's I/O now.
+    ///
+    /// | state | serving |
+    /// |---|---|
+    /// | replica not yet proven current after a start | `Waiting` |
+    /// | requests held for quorum (policy suspend) | `Waiting` |
+    /// | quorum lost (policy io-error) | `Unable` |
+    /// | local replica detached or an unfinished sync target, and the peer not connected | `Unable` |
+    /// | otherwise: connected (in sync or resyncing), or degraded with a current replica | `Ready` |
+    pub fn serving(&self) -> Serving {
+        let connected = self.link == LinkState::Connected;
+        if !self.freshness.is_current() || self.suspended {
+            Serving::Waiting
+        } else if !connected
+            && (self.quorum == Some(false) || self.local_detached || self.inconsistent)
+        {
+            Serving::Unable
+        } else {
+            Serving::Ready
+        }
+    }
+
+    /// Whether the peer serves the disk's I/O, as far as this node knows: `Ready` while
+    /// the link is connected (the peer proved its replica in the handshake, and serves
+    /// unsynced ranges through this node during a resync), `Unable` otherwise (the peer
+    /// is away or not yet proven; it reports its own state on its own path).
+    pub fn peer_serving(&self) -> Serving {
+        if self.link == LinkState::Connected {
+            Serving::Ready
+        } else {
+            Serving::Unable
+        }
+    }
+
     /// [`MirrorStatus::unproven_since`] in milliseconds since the Unix epoch; 0 when
     /// the replica is proven current.
     pub fn unproven_since_unix_ms(&self) -> u64 {
@@ -128,5 +178,129 @@ pub(super) fn status_of(ep: &Endpoint, o: Observed) -> MirrorStatus {
         local_data_lost,
         freshness,
         unproven_since: (!freshness.is_current()).then_some(started),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::{Awaiting, Proof};
+
+    fn connected() -> MirrorStatus {
+        MirrorStatus {
+            link: LinkState::Connected,
+            link_attached: true,
+            link_transport: Some("tcp".into()),
+            local_detached: false,
+            diverged: false,
+            last_problem: None,
+            dirty_chunks: 0,
+            generations: Generations::default(),
+            inconsistent: false,
+            syncing: false,
+            last_sync_start: None,
+            last_sync: None,
+            quorum: None,
+            suspended: false,
+            local_data_lost: 0,
+            freshness: Freshness::Current(Proof::Handshake),
+            unproven_since: None,
+        }
+    }
+
+    #[test]
+    fn serving_follows_the_mirror_state() {
+        use Serving::*;
+        let cases: Vec<(&str, MirrorStatus, Serving, Serving)> = vec![
+            ("in sync", connected(), Ready, Ready),
+            (
+                "resync target (reads of unsynced chunks go to the source)",
+                MirrorStatus {
+                    inconsistent: true,
+                    syncing: true,
+                    ..connected()
+                },
+                Ready,
+                Ready,
+            ),
+            (
+                "local replica detached, served through the peer",
+                MirrorStatus {
+                    local_detached: true,
+                    ..connected()
+                },
+                Ready,
+                Ready,
+            ),
+            (
+                "degraded, peer away",
+                MirrorStatus {
+                    link: LinkState::Degraded,
+                    link_attached: false,
+                    dirty_chunks: 7,
+                    ..connected()
+                },
+                Ready,
+                Unable,
+            ),
+            (
+                "restarted, not yet proven current",
+                MirrorStatus {
+                    link: LinkState::Handshaking,
+                    freshness: Freshness::Unproven {
+                        awaiting: Awaiting::PeerOrOperator,
+                    },
+                    unproven_since: Some(SystemTime::UNIX_EPOCH),
+                    ..connected()
+                },
+                Waiting,
+                Unable,
+            ),
+            (
+                "held for quorum",
+                MirrorStatus {
+                    link: LinkState::Degraded,
+                    quorum: Some(false),
+                    suspended: true,
+                    ..connected()
+                },
+                Waiting,
+                Unable,
+            ),
+            (
+                "quorum lost, io-error policy",
+                MirrorStatus {
+                    link: LinkState::Degraded,
+                    quorum: Some(false),
+                    ..connected()
+                },
+                Unable,
+                Unable,
+            ),
+            (
+                "detached with the peer away",
+                MirrorStatus {
+                    link: LinkState::Degraded,
+                    local_detached: true,
+                    ..connected()
+                },
+                Unable,
+                Unable,
+            ),
+            (
+                "unfinished sync target with the source away",
+                MirrorStatus {
+                    link: LinkState::Degraded,
+                    inconsistent: true,
+                    ..connected()
+                },
+                Unable,
+                Unable,
+            ),
+        ];
+        for (what, status, own, peer) in cases {
+            assert_eq!(status.serving(), own, "{what}: this node");
+            assert_eq!(status.peer_serving(), peer, "{what}: the peer");
+        }
     }
 }

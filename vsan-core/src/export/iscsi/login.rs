@@ -89,6 +89,10 @@ pub struct LoginTarget {
     pub alias: Option<String>,
     /// CHAP required to log in, if any.
     pub chap: Option<Chap>,
+    /// This target's portal group tag, where it differs from
+    /// [`LoginConfig::portal_group_tag`] (the two nodes of a mirrored disk give their
+    /// ports of the same target distinct tags).
+    pub portal_group_tag: Option<u16>,
 }
 
 /// What this target accepts; negotiation never goes past these.
@@ -124,6 +128,16 @@ pub struct LoginConfig {
     pub portal_group_tag: u16,
     /// Negotiation limits.
     pub limits: Limits,
+}
+
+impl LoginConfig {
+    /// The portal group tag of target `index`: its own, or the portal's.
+    pub fn tag_of(&self, index: usize) -> u16 {
+        self.targets
+            .get(index)
+            .and_then(|t| t.portal_group_tag)
+            .unwrap_or(self.portal_group_tag)
+    }
 }
 
 /// What the login asked for.
@@ -585,7 +599,7 @@ impl Login {
         if let SessionKind::Normal { target } = kind {
             out.push(
                 "TargetPortalGroupTag",
-                &self.config.portal_group_tag.to_string(),
+                &self.config.tag_of(target).to_string(),
             );
             if let Some(alias) = self
                 .config

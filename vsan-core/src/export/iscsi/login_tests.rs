@@ -18,6 +18,7 @@ fn config() -> Arc<LoginConfig> {
                 name: TARGET.into(),
                 alias: Some("disk zero".into()),
                 chap: None,
+                portal_group_tag: None,
             },
             LoginTarget {
                 name: SECURE.into(),
@@ -26,6 +27,7 @@ fn config() -> Arc<LoginConfig> {
                     initiator: pair("host1", "initiator-secret"),
                     target: None,
                 }),
+                portal_group_tag: None,
             },
             LoginTarget {
                 name: MUTUAL.into(),
@@ -34,6 +36,7 @@ fn config() -> Arc<LoginConfig> {
                     initiator: pair("host1", "initiator-secret"),
                     target: Some(pair("target1", "target-secret-1")),
                 }),
+                portal_group_tag: None,
             },
         ],
         portal_group_tag: 1,

@@ -52,6 +52,7 @@ pub struct Target {
     alias: Option<String>,
     lun0: Arc<LogicalUnit>,
     chap: Option<Chap>,
+    portal_group_tag: Option<u16>,
 }
 
 impl Target {
@@ -62,6 +63,7 @@ impl Target {
             alias: None,
             lun0: lu,
             chap: None,
+            portal_group_tag: None,
         }
     }
 
@@ -74,6 +76,17 @@ impl Target {
     /// Require CHAP to log in to this target.
     pub fn with_chap(mut self, chap: Chap) -> Target {
         self.chap = Some(chap);
+        self
+    }
+
+    /// Report this portal group tag for the target (at login and in SendTargets)
+    /// instead of the server's [`ServerOptions::portal_group_tag`]. A target served by
+    /// both nodes of a mirror has one port per node; each node gives its port its own
+    /// tag, so the initiator sees two distinct target ports (`<name>,t,0x<tag>`) of one
+    /// target. Keep it equal to the number in the logical unit's
+    /// [`TargetPort::name`](crate::scsi::TargetPort::name).
+    pub fn with_portal_group_tag(mut self, tag: u16) -> Target {
+        self.portal_group_tag = Some(tag);
         self
     }
 
@@ -415,6 +428,7 @@ impl Server {
                     name: t.name.clone(),
                     alias: t.alias.clone(),
                     chap: t.chap.clone(),
+                    portal_group_tag: t.portal_group_tag,
                 })
                 .collect(),
             portal_group_tag: options.portal_group_tag,

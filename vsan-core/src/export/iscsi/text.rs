@@ -26,11 +26,10 @@ pub fn respond(
 ) -> Result<Bytes, String> {
     let pairs = keys::parse(request).map_err(|e| e.to_string())?;
     let mut out = TextBuilder::new();
-    let address = format!("{portal},{}", config.portal_group_tag);
     let report = |out: &mut TextBuilder, i: usize| {
         if let Some(t) = config.targets.get(i) {
             out.push("TargetName", &t.name);
-            out.push("TargetAddress", &address);
+            out.push("TargetAddress", &format!("{portal},{}", config.tag_of(i)));
         }
     };
     for p in &pairs {
@@ -224,6 +223,9 @@ mod tests {
                     name: n.into(),
                     alias: None,
                     chap: None,
+                    // Target b is reached through another portal group (a mirror
+                    // node's own port of a shared target).
+                    portal_group_tag: n.ends_with(":b").then_some(2),
                 })
                 .collect(),
             portal_group_tag: 1,
@@ -242,14 +244,14 @@ mod tests {
         assert_eq!(
             ask(SessionKind::Discovery, b"SendTargets=All\0"),
             b"TargetName=iqn.2026-12.io.vsan:a\0TargetAddress=127.0.0.1:3260,1\0\
-              TargetName=iqn.2026-12.io.vsan:b\0TargetAddress=127.0.0.1:3260,1\0"
+              TargetName=iqn.2026-12.io.vsan:b\0TargetAddress=127.0.0.1:3260,2\0"
         );
         assert_eq!(
             ask(
                 SessionKind::Discovery,
                 b"SendTargets=iqn.2026-12.io.vsan:b\0"
             ),
-            b"TargetName=iqn.2026-12.io.vsan:b\0TargetAddress=127.0.0.1:3260,1\0"
+            b"TargetName=iqn.2026-12.io.vsan:b\0TargetAddress=127.0.0.1:3260,2\0"
         );
         assert_eq!(ask(SessionKind::Discovery, b"SendTargets=iqn.nope\0"), b"");
     }
@@ -257,7 +259,7 @@ mod tests {
     #[test]
     fn send_targets_in_a_normal_session_reports_only_its_target() {
         let kind = SessionKind::Normal { target: 1 };
-        let own = b"TargetName=iqn.2026-12.io.vsan:b\0TargetAddress=127.0.0.1:3260,1\0";
+        let own = b"TargetName=iqn.2026-12.io.vsan:b\0TargetAddress=127.0.0.1:3260,2\0";
         assert_eq!(ask(kind, b"SendTargets=\0"), own);
         assert_eq!(ask(kind, b"SendTargets=iqn.2026-12.io.vsan:b\0"), own);
         assert_eq!(ask(kind, b"SendTargets=iqn.2026-12.io.vsan:a\0"), b"");

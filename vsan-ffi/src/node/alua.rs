@@ -1,0 +1,198 @@
+//! ALUA for the iSCSI targets of mirrored disks: one logical unit, one target port group
+//! per node.
+//!
+//! Both nodes of a mirrored disk present the same logical unit (the identity comes from
+//! the disk id) under the same target name. Each node's port is its own target port
+//! group with its own relative target port and portal group tag ([`relative_port`]: 1 on
+//! the lower node id, 2 on the higher), so an initiator that logs in through both sees
+//! two paths to one device. REPORT TARGET PORT GROUPS on either node lists both groups;
+//! their states come from the mirror's status ([`MirrorStatus::serving`] and
+//! [`MirrorStatus::peer_serving`]), never from a separate guess:
+//!
+//! | [`Serving`] | ALUA state | commands that access the medium get |
+//! |---|---|---|
+//! | `Ready` | active/optimized | served |
+//! | `Waiting` (not yet proven current, held for quorum) | transitioning | NOT READY, 04/0A |
+//! | `Unable` (no complete copy reachable, quorum lost, shutting down) | unavailable | NOT READY, 04/0C |
+//!
+//! Each change raises ASYMMETRIC ACCESS STATE CHANGED (2A/06) on every nexus of the node
+//! that sees it and is logged. The NOT READY answers are what let a multipath initiator
+//! move I/O to the other node instead of failing it; behind them the mirror still holds
+//! any request that reaches an unproven replica, so a race between a state change and a
+//! command can delay it but never serve stale data.
+
+use std::sync::Arc;
+
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tracing::info;
+use vsan_core::scsi::{AluaState, LogicalUnit, PortGroup};
+use vsan_replica::{MirrorStatus, Serving};
+
+/// The relative target port (and target port group, and portal group tag) of node
+/// `node_id`'s port to a disk: 1 for a local disk and for the lower node id of a mirrored
+/// pair, 2 for the higher, so the two nodes that serve the same logical unit give it two
+/// distinct ports, and each node knows the other's.
+pub(super) fn relative_port(node_id: u32, peer: Option<u32>) -> u16 {
+    match peer {
+        Some(p) if p < node_id => 2,
+        _ => 1,
+    }
+}
+
+/// The ALUA state a node in `serving` reports for its group.
+pub(super) fn alua_state(serving: Serving) -> AluaState {
+    match serving {
+        Serving::Ready => AluaState::ActiveOptimized,
+        Serving::Waiting => AluaState::Transitioning,
+        Serving::Unable => AluaState::Unavailable,
+    }
+}
+
+/// Both nodes' target port groups (each with its one port), ordered by group id, with
+/// their states as `status` implies.
+pub(super) fn port_groups(own: u16, peer: u16, status: &MirrorStatus) -> Vec<PortGroup> {
+    let mut groups = vec![
+        PortGroup {
+            id: own,
+            state: alua_state(status.serving()),
+            relative_ports: vec![own],
+        },
+        PortGroup {
+            id: peer,
+            state: alua_state(status.peer_serving()),
+            relative_ports: vec![peer],
+        },
+    ];
+    groups.sort_by_key(|g| g.id);
+    groups
+}
+
+/// A mirrored disk's logical unit whose port groups follow its mirror's status.
+pub(super) struct AluaFollower {
+    disk: String,
+    lu: Arc<LogicalUnit>,
+    own: u16,
+    peer: u16,
+    task: Option<JoinHandle<()>>,
+}
+
+impl AluaFollower {
+    /// `lu`'s groups set from `status` now; [`AluaFollower::start`] keeps them in step.
+    pub(super) fn new(
+        disk: &str,
+        lu: Arc<LogicalUnit>,
+        own: u16,
+        peer: u16,
+        status: &MirrorStatus,
+    ) -> AluaFollower {
+        lu.set_port_groups(port_groups(own, peer, status));
+        AluaFollower {
+            disk: disk.to_string(),
+            lu,
+            own,
+            peer,
+            task: None,
+        }
+    }
+
+    /// Follow `rx` (the mirror's [`watch_status`](vsan_replica::MirroredDisk::watch_status))
+    /// until the mirror closes or [`AluaFollower::shutting_down`].
+    pub(super) fn start(&mut self, mut rx: watch::Receiver<MirrorStatus>) {
+        let (disk, lu, own, peer) = (self.disk.clone(), self.lu.clone(), self.own, self.peer);
+        self.task = Some(tokio::spawn(async move {
+            let mut shown = lu.port_groups();
+            loop {
+                let groups = port_groups(own, peer, &rx.borrow_and_update());
+                if groups != shown {
+                    info!(
+                        disk = %disk,
+                        states = %describe(&groups),
+                        "ALUA: target port group states changed (ASYMMETRIC ACCESS STATE \
+                         CHANGED raised on every nexus)"
+                    );
+                    lu.set_port_groups(groups.clone());
+                    shown = groups;
+                }
+                if rx.changed().await.is_err() {
+                    return;
+                }
+            }
+        }));
+    }
+
+    /// The node is stopping: stop following, and report this node's group unavailable
+    /// so that commands still arriving are sent down the other path.
+    pub(super) fn shutting_down(&mut self) {
+        self.stop();
+        let groups: Vec<PortGroup> = self
+            .lu
+            .port_groups()
+            .into_iter()
+            .map(|mut g| {
+                if g.id == self.own {
+                    g.state = AluaState::Unavailable;
+                }
+                g
+            })
+            .collect();
+        info!(disk = %self.disk, states = %describe(&groups), "ALUA: shutting down");
+        self.lu.set_port_groups(groups);
+    }
+
+    /// Stop following (the groups stay as they are).
+    pub(super) fn stop(&mut self) {
+        if let Some(t) = self.task.take() {
+            t.abort();
+        }
+    }
+}
+
+impl Drop for AluaFollower {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// `1=active/optimized 2=unavailable`, for the logs.
+fn describe(groups: &[PortGroup]) -> String {
+    groups
+        .iter()
+        .map(|g| {
+            let s = match g.state {
+                AluaState::ActiveOptimized => "active/optimized",
+                AluaState::ActiveNonOptimized => "active/non-optimized",
+                AluaState::Standby => "standby",
+                AluaState::Unavailable => "unavailable",
+                AluaState::Transitioning => "transitioning",
+            };
+            format!("{}={s}", g.id)
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_two_nodes_of_a_pair_get_distinct_ports_and_agree_on_them() {
+        assert_eq!(relative_port(1, None), 1);
+        assert_eq!(relative_port(1, Some(2)), 1);
+        assert_eq!(relative_port(2, Some(1)), 2);
+        assert_eq!(relative_port(7, Some(3)), 2);
+        assert_eq!(relative_port(3, Some(7)), 1);
+        for (a, b) in [(1, 2), (3, 7), (100, 5)] {
+            let (pa, pb) = (relative_port(a, Some(b)), relative_port(b, Some(a)));
+            assert_ne!(pa, pb, "nodes {a} and {b}");
+        }
+    }
+
+    #[test]
+    fn states_map_to_alua() {
+        assert_eq!(alua_state(Serving::Ready), AluaState::ActiveOptimized);
+        assert_eq!(alua_state(Serving::Waiting), AluaState::Transitioning);
+        assert_eq!(alua_state(Serving::Unable), AluaState::Unavailable);
+    }
+}
