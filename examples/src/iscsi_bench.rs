@@ -16,7 +16,10 @@
 //! The cases: `tgtd` (iSCSI, LUN 1 of a private tgtd), `vsan` (one `vsan-node`, a file
 //! disk, iSCSI), `vsan-nbd` (the same node and disk through NBD over TCP), and with
 //! `--mirror` also `vsan-mirror` / `vsan-mirror-nbd` (two nodes on this machine, node 1
-//! exporting). Each case runs once per workload per round, in rotating order. Reported:
+//! exporting) and `vsan-mirror-2paths` (the same mirrored disk through both nodes' iSCSI
+//! targets at once, as a multipath initiator uses it: half the depth on each path; reads
+//! on both for `--seconds`, IOPS summed; half the writes on each, node 1's from offset 0
+//! and node 2's from the middle of the disk). Each case runs once per workload per round, in rotating order. Reported:
 //! IOPS, p50/p99 where the client measures them (fio does; iscsi-perf and qemu-img bench
 //! do not), the target process(es)' CPU seconds per million commands (utime + stime from
 //! `/proc/<pid>/stat` around the run: tgtd's one process, or both nodes of a mirror),
@@ -66,6 +69,9 @@ enum Case {
     VsanNbd,
     VsanMirror,
     VsanMirrorNbd,
+    /// The mirrored disk through both nodes' iSCSI targets at once (half the depth and
+    /// half the writes on each path).
+    VsanMirrorBoth,
 }
 
 impl Case {
@@ -76,6 +82,7 @@ impl Case {
             Case::VsanNbd => "vsan-nbd",
             Case::VsanMirror => "vsan-mirror",
             Case::VsanMirrorNbd => "vsan-mirror-nbd",
+            Case::VsanMirrorBoth => "vsan-mirror-2paths",
         }
     }
 
@@ -123,6 +130,8 @@ struct Running {
     nodes: Vec<Child>,
     /// `iscsi://...` or `nbd://...`.
     url: String,
+    /// The second path (node 2's target), for [`Case::VsanMirrorBoth`].
+    url2: Option<String>,
 }
 
 impl Running {
@@ -170,7 +179,7 @@ pub fn run(o: Opts) -> io::Result<()> {
     std::fs::create_dir_all(&o.dir)?;
     let mut cases = vec![Case::Tgtd, Case::Vsan, Case::VsanNbd];
     if o.mirror {
-        cases.extend([Case::VsanMirror, Case::VsanMirrorNbd]);
+        cases.extend([Case::VsanMirror, Case::VsanMirrorNbd, Case::VsanMirrorBoth]);
     }
     if !o.only.is_empty() {
         cases.retain(|c| o.only.iter().any(|w| c.name().contains(w.as_str())));
@@ -207,10 +216,17 @@ pub fn run(o: Opts) -> io::Result<()> {
                 };
                 let target = start(c, &o, image, size)?;
                 let cpu0 = target.cpu()?;
-                let f = match (w, c.is_nbd()) {
-                    (Workload::RandRead, false) => iscsi_perf(&target.url, o.seconds, o.depth)?,
-                    (Workload::Write, false) => qemu_img_bench(&target.url, write_count, o.depth)?,
-                    (w, true) => fio_nbd(&target.url, w, o.seconds, write_count, o.depth, size)?,
+                let f = match (w, c.is_nbd(), &target.url2) {
+                    (w, false, Some(url2)) => {
+                        two_paths(w, [&target.url, url2], &o, write_count, size)?
+                    }
+                    (Workload::RandRead, false, None) => {
+                        iscsi_perf(&target.url, o.seconds, o.depth)?
+                    }
+                    (Workload::Write, false, None) => {
+                        qemu_img_bench(&target.url, write_count, o.depth, 0)?
+                    }
+                    (w, true, _) => fio_nbd(&target.url, w, o.seconds, write_count, o.depth, size)?,
                 };
                 let cpu = target.cpu()? - cpu0;
                 drop(target);
@@ -259,10 +275,12 @@ pub fn run(o: Opts) -> io::Result<()> {
         for (c, _, s) in results.iter().filter(|(_, ww, _)| *ww == w) {
             let iops = median(&s.iops);
             let ratio = base.map_or("n/a".to_string(), |b| format!("{:.2}x", iops / b));
-            let client = match (w, c.is_nbd()) {
-                (_, true) => "fio nbd",
-                (Workload::RandRead, false) => "iscsi-perf",
-                (Workload::Write, false) => "qemu-img bench",
+            let client = match (w, c.is_nbd(), *c == Case::VsanMirrorBoth) {
+                (_, true, _) => "fio nbd",
+                (Workload::RandRead, false, false) => "iscsi-perf",
+                (Workload::Write, false, false) => "qemu-img bench",
+                (Workload::RandRead, false, true) => "2 x iscsi-perf",
+                (Workload::Write, false, true) => "2 x qemu-img bench",
             };
             println!(
                 "| {} | {} | {client} | {iops:.0} | {} | {} | {:.1} | {ratio} |",
@@ -319,6 +337,7 @@ fn start(c: Case, o: &Opts, image: &Path, size: u64) -> io::Result<Running> {
                 tgtd: Some(tgtd),
                 nodes: Vec::new(),
                 url,
+                url2: None,
             })
         }
         Case::Vsan | Case::VsanNbd => {
@@ -340,9 +359,10 @@ fn start(c: Case, o: &Opts, image: &Path, size: u64) -> io::Result<Running> {
                 tgtd: None,
                 nodes: vec![node],
                 url: ready.url(c.is_nbd()),
+                url2: None,
             })
         }
-        Case::VsanMirror | Case::VsanMirrorNbd => {
+        Case::VsanMirror | Case::VsanMirrorNbd | Case::VsanMirrorBoth => {
             // Node 2 holds the second replica (a copy of the same file) and accepts the
             // link; node 1 dials it and exports the disk.
             let peer_image = o.dir.join("iscsi-peer.img");
@@ -370,7 +390,8 @@ fn start(c: Case, o: &Opts, image: &Path, size: u64) -> io::Result<Running> {
                     disk_section(&peer_image, size, Some(1))?
                 ),
             )?;
-            let (node2, _) = spawn_node(&o.vsan_node, &cfg2, false)?;
+            let both = c == Case::VsanMirrorBoth;
+            let (node2, ready2) = spawn_node(&o.vsan_node, &cfg2, both)?;
             let cfg1 = dir1.join("node.toml");
             std::fs::write(
                 &cfg1,
@@ -386,6 +407,7 @@ fn start(c: Case, o: &Opts, image: &Path, size: u64) -> io::Result<Running> {
                 tgtd: None,
                 nodes: vec![node2],
                 url: String::new(),
+                url2: both.then(|| ready2.url(false)),
             };
             let (node1, ready) = spawn_node(&o.vsan_node, &cfg1, true)?;
             running.nodes.push(node1);
@@ -589,8 +611,62 @@ fn block_size(url: &str) -> io::Result<u64> {
         })
 }
 
-/// `qemu-img bench -f raw -w -d <depth> -s 4k -t none -c <count> <url>`.
-fn qemu_img_bench(url: &str, count: u64, depth: u32) -> io::Result<Figures> {
+/// Both paths at once, each with half the depth (so as many commands are in flight as
+/// through one path): random reads for `o.seconds` on each, or half the writes on each,
+/// node 1's path from offset 0 and node 2's from the middle of the disk (no overlap).
+/// IOPS are the sum of the two clients' (reads) or all writes over the slower client's
+/// time (writes).
+fn two_paths(
+    w: Workload,
+    urls: [&str; 2],
+    o: &Opts,
+    write_count: u64,
+    size: u64,
+) -> io::Result<Figures> {
+    let depth = (o.depth / 2).max(1);
+    let half = (write_count / 2).max(1);
+    let runs: Vec<io::Result<Figures>> = std::thread::scope(|s| {
+        let handles: Vec<_> = urls
+            .iter()
+            .enumerate()
+            .map(|(i, url)| {
+                s.spawn(move || match w {
+                    Workload::RandRead => iscsi_perf(url, o.seconds, depth),
+                    Workload::Write => qemu_img_bench(url, half, depth, i as u64 * (size / 2)),
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(io::Error::other("a client thread panicked")))
+            })
+            .collect()
+    });
+    let mut figs = Vec::new();
+    for r in runs {
+        figs.push(r?);
+    }
+    let commands: f64 = figs.iter().map(|f| f.commands).sum();
+    let iops = match w {
+        Workload::RandRead => figs.iter().map(|f| f.iops).sum(),
+        Workload::Write => {
+            // Each client's own rate gives its time; the pair took the longer one.
+            let secs = figs.iter().map(|f| f.commands / f.iops).fold(0.0, f64::max);
+            commands / secs
+        }
+    };
+    Ok(Figures {
+        iops,
+        p50_us: None,
+        p99_us: None,
+        commands,
+    })
+}
+
+/// `qemu-img bench -f raw -w -d <depth> -s 4k -t none -c <count> -o <offset> <url>`.
+fn qemu_img_bench(url: &str, count: u64, depth: u32, offset: u64) -> io::Result<Figures> {
     let out = Command::new("qemu-img")
         .args([
             "bench",
@@ -602,7 +678,8 @@ fn qemu_img_bench(url: &str, count: u64, depth: u32) -> io::Result<Figures> {
             "-s",
             "4k",
         ])
-        .args(["-t", "none", "-c", &count.to_string(), url])
+        .args(["-t", "none", "-c", &count.to_string()])
+        .args(["-o", &offset.to_string(), url])
         .stdin(Stdio::null())
         .output()?;
     let text = format!(

@@ -82,7 +82,8 @@ struct IscsiArgs {
     /// Path of vsan-node (default: next to this binary).
     #[arg(long)]
     vsan_node: Option<PathBuf>,
-    /// Also a mirrored disk (two vsan-node processes on this machine, node 1 exporting).
+    /// Also a mirrored disk (two vsan-node processes on this machine): through node 1, and
+    /// through both nodes' targets at once (`vsan-mirror-2paths`).
     #[arg(long)]
     mirror: bool,
     /// Only the cases whose name contains one of these words (tgtd, vsan, nbd, mirror).
