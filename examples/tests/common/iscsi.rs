@@ -838,25 +838,7 @@ impl RawConn {
 
     /// Read PDUs until the SCSI Response (or Data-In with status) for `itt`.
     pub fn wait_status(&mut self, itt: u32) -> Result<u8, String> {
-        let deadline = Instant::now() + TOOL_TIMEOUT;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.recv(left) {
-                Reply::Pdu(p) if p.itt() == itt && p.opcode() == op::SCSI_RSP => {
-                    return Ok(p.bhs[3]);
-                }
-                Reply::Pdu(p)
-                    if p.itt() == itt && p.opcode() == op::DATA_IN && p.bhs[1] & 0x01 != 0 =>
-                {
-                    return Ok(p.bhs[3]);
-                }
-                Reply::Pdu(p) if p.opcode() == op::REJECT => {
-                    return Err(format!("Reject, reason {:#04x}", p.bhs[2]));
-                }
-                Reply::Pdu(_) => {}
-                other => return Err(format!("no SCSI status for ITT {itt}: {other:?}")),
-            }
-        }
+        self.wait_answer(itt).map(|a| a.status)
     }
 
     /// Run `cdb` expecting up to `edtl` bytes of data in: the status, the data and the
@@ -865,6 +847,12 @@ impl RawConn {
         let (itt, pdu) = self.scsi_cmd(cdb, edtl > 0, edtl);
         self.send(&pdu)
             .map_err(|e| format!("send CDB {:#04x}: {e}", cdb[0]))?;
+        self.wait_answer(itt)
+    }
+
+    /// Read PDUs until the SCSI Response (or Data-In with status) for `itt`, gathering
+    /// its data in and its sense bytes.
+    fn wait_answer(&mut self, itt: u32) -> Result<Answer, String> {
         let deadline = Instant::now() + TOOL_TIMEOUT;
         let mut data = Vec::new();
         loop {

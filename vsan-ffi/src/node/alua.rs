@@ -74,45 +74,51 @@ pub(super) struct AluaFollower {
     lu: Arc<LogicalUnit>,
     own: u16,
     peer: u16,
+    /// The mirror's status, until [`AluaFollower::start`] hands it to the task.
+    status: Option<watch::Receiver<MirrorStatus>>,
     task: Option<JoinHandle<()>>,
 }
 
 impl AluaFollower {
-    /// `lu`'s groups set from `status` now; [`AluaFollower::start`] keeps them in step.
+    /// `lu`'s groups set from `status` (the mirror's
+    /// [`watch_status`](vsan_replica::MirroredDisk::watch_status)) now;
+    /// [`AluaFollower::start`] keeps them in step.
     pub(super) fn new(
         disk: &str,
         lu: Arc<LogicalUnit>,
         own: u16,
         peer: u16,
-        status: &MirrorStatus,
+        status: watch::Receiver<MirrorStatus>,
     ) -> AluaFollower {
-        lu.set_port_groups(port_groups(own, peer, status));
+        lu.set_port_groups(port_groups(own, peer, &status.borrow()));
         AluaFollower {
             disk: disk.to_string(),
             lu,
             own,
             peer,
+            status: Some(status),
             task: None,
         }
     }
 
-    /// Follow `rx` (the mirror's [`watch_status`](vsan_replica::MirroredDisk::watch_status))
-    /// until the mirror closes or [`AluaFollower::shutting_down`].
-    pub(super) fn start(&mut self, mut rx: watch::Receiver<MirrorStatus>) {
+    /// Follow the mirror's status until the mirror closes or
+    /// [`AluaFollower::shutting_down`].
+    pub(super) fn start(&mut self) {
+        let Some(mut rx) = self.status.take() else {
+            return;
+        };
         let (disk, lu, own, peer) = (self.disk.clone(), self.lu.clone(), self.own, self.peer);
         self.task = Some(tokio::spawn(async move {
-            let mut shown = lu.port_groups();
             loop {
                 let groups = port_groups(own, peer, &rx.borrow_and_update());
-                if groups != shown {
+                if groups != lu.port_groups() {
                     info!(
                         disk = %disk,
                         states = %describe(&groups),
                         "ALUA: target port group states changed (ASYMMETRIC ACCESS STATE \
                          CHANGED raised on every nexus)"
                     );
-                    lu.set_port_groups(groups.clone());
-                    shown = groups;
+                    lu.set_port_groups(groups);
                 }
                 if rx.changed().await.is_err() {
                     return;

@@ -23,7 +23,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::{TcpListener, UnixListener};
-use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tracing::{info, warn};
 use vsan_core::export::iscsi::{Chap, Server as IscsiServer, Target};
@@ -38,7 +37,7 @@ use vsan_replica::protocol::{
 use vsan_replica::transport::tcp::TcpTransport;
 use vsan_replica::transport::{Listener as PeerListener, Transport};
 use vsan_replica::witness::WitnessClient;
-use vsan_replica::{MirrorStatus, MirroredDisk, Replica, meta_params};
+use vsan_replica::{MirroredDisk, Replica, meta_params};
 
 use super::alua::{self, AluaFollower};
 use super::cache::{CacheFile, inspect_cache, open_cache};
@@ -669,7 +668,7 @@ fn logical_unit(
 /// groups follow their mirrors once they serve.
 struct PortalTargets {
     portals: Vec<(IscsiServer, TcpListener, Vec<String>)>,
-    alua: Vec<(AluaFollower, watch::Receiver<MirrorStatus>)>,
+    alua: Vec<AluaFollower>,
 }
 
 /// The iSCSI servers of a started node, one per portal, with their accept tasks, and the
@@ -707,9 +706,14 @@ fn targets_of_portals(
             let own = lu.port().relative_id;
             if let (Some(mirror), Some(peer)) = (&disk.mirror, disk.peer_id) {
                 let peer = alua::relative_port(peer, Some(config.node.id));
-                let rx = mirror.watch_status();
-                let follower = AluaFollower::new(&d.name, Arc::clone(&lu), own, peer, &rx.borrow());
-                alua.push((follower, rx));
+                let status = mirror.watch_status();
+                alua.push(AluaFollower::new(
+                    &d.name,
+                    Arc::clone(&lu),
+                    own,
+                    peer,
+                    status,
+                ));
             }
             let mut target = Target::new(iqn.clone(), lu)
                 .with_alias(d.name.clone())
@@ -763,8 +767,8 @@ impl PortalTargets {
             tasks: Vec::new(),
             alua: Vec::new(),
         };
-        for (mut follower, rx) in self.alua {
-            follower.start(rx);
+        for mut follower in self.alua {
+            follower.start();
             served.alua.push(follower);
         }
         for (server, listener, lines) in self.portals {
