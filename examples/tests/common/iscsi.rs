@@ -609,7 +609,14 @@ impl RawConn {
         let stream = TcpStream::connect(&target.portal)
             .unwrap_or_else(|e| panic!("connect to {}: {e}", target.portal));
         stream.set_nodelay(true).expect("TCP_NODELAY");
-        let salt = (std::process::id() as u16) ^ (Instant::now().elapsed().subsec_nanos() as u16);
+        // A distinct ISID per connection of this process: two sessions of one initiator
+        // name with the same ISID are one session to the target, and the second login
+        // reinstates it (closing the first). (The salt used to be `Instant::now().elapsed()`
+        // nanoseconds, nearly always the same few values, so two connections of one test
+        // could collide now and then.)
+        static NEXT: std::sync::atomic::AtomicU16 = std::sync::atomic::AtomicU16::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let salt = (std::process::id() as u16).wrapping_mul(0x9e37) ^ n;
         RawConn {
             stream,
             cmd_sn: 1,
