@@ -339,12 +339,17 @@ impl Endpoint {
             });
             return;
         }
-        if remote.is_none() && local.is_ok() && !self.journal.is_inconsistent() && self.is_current()
+        if remote != Some(Status::Ok)
+            && local.is_ok()
+            && !self.journal.is_inconsistent()
+            && self.is_current()
         {
-            // Durable here and not (known to be) on the peer: this replica is now
-            // ahead of it, as after a write acknowledged alone. Its generation moves
-            // on, durably, before the flush is acknowledged, so a restart of both
-            // cannot take the peer's copy over this one.
+            // Durable here and not (known to be) on the peer: the peer is away, or its
+            // replica failed the flush or is detached. This replica is now ahead of
+            // it, as after a write acknowledged alone. Its generation moves on,
+            // durably, before the flush is acknowledged, so a restart of both cannot
+            // take the peer's copy over this one, and a restart of this node alone
+            // finds itself current in its own metadata.
             let mgen = self.move_generation_alone();
             if !self.journal.is_durable(mgen) {
                 if let Some(f) = self.own_flushes.get_mut(&req) {
