@@ -71,6 +71,30 @@ impl ErrorKind {
         }
     }
 
+    /// The kind whose discriminant (`kind as u32`, as the wire and the C ABI carry it)
+    /// is `code`; an unknown code (a newer peer's kind) is [`ErrorKind::Io`].
+    pub fn from_code(code: u32) -> ErrorKind {
+        const ALL: [ErrorKind; 14] = [
+            ErrorKind::InvalidArgument,
+            ErrorKind::OutOfRange,
+            ErrorKind::Io,
+            ErrorKind::NotSupported,
+            ErrorKind::ReadOnly,
+            ErrorKind::Closed,
+            ErrorKind::Timeout,
+            ErrorKind::Corrupt,
+            ErrorKind::Protocol,
+            ErrorKind::InUse,
+            ErrorKind::NotFound,
+            ErrorKind::NoSpace,
+            ErrorKind::NoQuorum,
+            ErrorKind::WrongState,
+        ];
+        ALL.into_iter()
+            .find(|k| *k as u32 == code)
+            .unwrap_or(ErrorKind::Io)
+    }
+
     /// The kind an `io::Error` most naturally maps to.
     pub fn from_io(err: &std::io::Error) -> ErrorKind {
         use std::io::ErrorKind as K;

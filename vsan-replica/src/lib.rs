@@ -28,4 +28,6 @@ pub mod transport;
 pub mod wire;
 pub mod witness;
 
-pub use mirror::{MirrorStatus, MirroredDisk, Replica, Serving, SyncStart, meta_params};
+pub use mirror::{
+    MirrorStatus, MirroredDisk, Replica, ScsiFuture, ScsiHandler, Serving, SyncStart, meta_params,
+};

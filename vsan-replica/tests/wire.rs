@@ -241,6 +241,24 @@ fn samples() -> Vec<Message> {
         },
         Message::SyncRequest,
         Message::ReplicaDetached,
+        Message::Scsi {
+            id: 7,
+            body: Bytes::from_static(b"a call"),
+        },
+        Message::Scsi {
+            id: u64::MAX,
+            body: Bytes::new(),
+        },
+        Message::ScsiReply {
+            id: 7,
+            status: Status::Ok,
+            body: Bytes::from_static(b"an answer"),
+        },
+        Message::ScsiReply {
+            id: 8,
+            status: Status::Failed(4),
+            body: Bytes::new(),
+        },
     ]
 }
 
@@ -294,7 +312,7 @@ fn pb_bytes(field: u32, value: &[u8], out: &mut Vec<u8>) {
 fn every_sample_round_trips() {
     let samples = samples();
     let kinds: std::collections::HashSet<Kind> = samples.iter().map(Kind::of).collect();
-    assert_eq!(kinds.len(), 21, "every message kind is sampled");
+    assert_eq!(kinds.len(), 23, "every message kind is sampled");
     for msg in samples {
         let mut buf = frame_bytes(&msg);
         let len = buf.len();
@@ -1133,6 +1151,17 @@ fn arb_message() -> impl Strategy<Value = Message> {
         arb_generations().prop_map(|generations| Message::SyncDone { generations }),
         Just(Message::SyncRequest),
         Just(Message::ReplicaDetached),
+        (any::<u64>(), data.clone()).prop_map(|(id, body)| Message::Scsi { id, body }),
+        (any::<u64>(), data.clone()).prop_map(|(id, body)| Message::ScsiReply {
+            id,
+            status: Status::Ok,
+            body
+        }),
+        (any::<u64>(), any::<u32>()).prop_map(|(id, code)| Message::ScsiReply {
+            id,
+            status: Status::Failed(code),
+            body: Bytes::new(),
+        }),
     ]
 }
 

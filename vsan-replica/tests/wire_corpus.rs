@@ -314,6 +314,15 @@ fn samples() -> Vec<Message> {
         Message::SyncDone { generations },
         Message::SyncRequest,
         Message::ReplicaDetached,
+        Message::Scsi {
+            id: 9,
+            body: data(12, 5),
+        },
+        Message::ScsiReply {
+            id: 9,
+            status: Status::Ok,
+            body: data(6, 6),
+        },
         Message::LaneSeq { seq: 42 },
         Message::LaneJoin {
             group: 0x0123_4567_89ab_cdef,

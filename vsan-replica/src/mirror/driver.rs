@@ -55,6 +55,10 @@ pub(super) struct Driver {
     pub(super) sending: Option<SendFuture>,
     pub(super) backlog: VecDeque<Message>,
     pub(super) running: FuturesUnordered<LocalFuture>,
+    /// The SCSI handler (see [`super::MirroredDisk::set_scsi_handler`]).
+    pub(super) scsi: super::ScsiSlot,
+    /// The peer's SCSI calls being handled.
+    pub(super) scsi_running: FuturesUnordered<ScsiRunning>,
     pub(super) last_problem: Option<String>,
     /// The local replica's `data_loss_count` when the driver started, and when it last
     /// looked.
@@ -66,6 +70,14 @@ pub(super) struct Driver {
     #[cfg(feature = "failpoints")]
     pub(super) points: crate::failpoints::Site,
 }
+
+/// A SCSI call of the peer's being handled: (link epoch, the peer's id, the answer).
+type ScsiRunning = std::pin::Pin<
+    Box<
+        dyn std::future::Future<Output = (u64, u64, std::result::Result<bytes::Bytes, ErrorKind>)>
+            + Send,
+    >,
+>;
 
 type SendFuture = std::pin::Pin<Box<dyn std::future::Future<Output = Result<()>> + Send>>;
 
@@ -115,6 +127,9 @@ impl Driver {
                 }
                 Some((op, res)) = self.running.next(), if !self.running.is_empty() => {
                     self.local_done(op, res);
+                }
+                Some((epoch, id, res)) = self.scsi_running.next(), if !self.scsi_running.is_empty() => {
+                    self.ep.reply_scsi(Instant::now(), epoch, id, res);
                 }
                 _ = sleep_until(deadline) => self.ep.handle_timeout(Instant::now()),
             }
@@ -272,6 +287,10 @@ impl Driver {
                         .handle_disconnected(now, "operator asked to discard this node's data");
                 }
             }
+            Command::Scsi { body, done } => {
+                let r = self.ep.submit_scsi(now, body);
+                self.waiters.insert(r, done);
+            }
             Command::Close { done } => {
                 self.ep.begin_shutdown(now);
                 self.closing.push(done);
@@ -393,6 +412,21 @@ impl Driver {
             }
             Event::SyncEnded(summary) => {
                 info!(disk = %self.name, "{} ended: {summary:?}", summary.kind);
+            }
+            Event::ScsiRequest { epoch, id, body } => {
+                let handler = self.scsi.read().as_ref().and_then(std::sync::Weak::upgrade);
+                let fut: ScsiRunning = match handler {
+                    Some(h) => {
+                        let call = h.call(body);
+                        Box::pin(async move { (epoch, id, call.await) })
+                    }
+                    None => Box::pin(std::future::ready((
+                        epoch,
+                        id,
+                        Err(ErrorKind::NotSupported),
+                    ))),
+                };
+                self.scsi_running.push(fut);
             }
         }
     }

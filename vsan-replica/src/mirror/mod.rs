@@ -80,6 +80,11 @@ enum Command {
         action: Operator,
         done: OperatorReply,
     },
+    /// A call to the peer's SCSI layer.
+    Scsi {
+        body: Bytes,
+        done: Reply,
+    },
     /// Finish in-flight I/O, mark the metadata clean, stop.
     Close {
         done: oneshot::Sender<Result<()>>,
@@ -97,6 +102,21 @@ enum Operator {
     DetachLocal,
     AttachLocal,
     DeclareCurrent,
+}
+
+/// The future a [`ScsiHandler`] answers with.
+pub type ScsiFuture = std::pin::Pin<
+    Box<dyn std::future::Future<Output = std::result::Result<Bytes, ErrorKind>> + Send>,
+>;
+
+/// What handles the peer's SCSI calls on this node ([`MirroredDisk::set_scsi_handler`]):
+/// the SCSI layer of the logical unit over this mirror. The mirror carries the calls
+/// and their answers and knows nothing of what they say.
+pub trait ScsiHandler: Send + Sync {
+    /// Handle the peer's call `body`; the answer (or the failure) goes back to the
+    /// peer's [`MirroredDisk::scsi_call`]. Calls run concurrently, started in link
+    /// order, each after the peer's writes sent before it were received.
+    fn call(&self, body: Bytes) -> ScsiFuture;
 }
 
 /// A replica: its data device, its metadata device, and the metadata read from it.
@@ -157,7 +177,12 @@ pub struct MirroredDisk {
     commands: mpsc::UnboundedSender<Command>,
     status: watch::Receiver<MirrorStatus>,
     progress: Arc<parking_lot::Mutex<Option<SyncProgress>>>,
+    scsi: ScsiSlot,
 }
+
+/// Where the driver finds the SCSI handler: held weakly, so that a handler that holds
+/// the disk does not keep the driver alive.
+type ScsiSlot = Arc<parking_lot::RwLock<Option<std::sync::Weak<dyn ScsiHandler>>>>;
 
 impl std::fmt::Debug for MirroredDisk {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -236,6 +261,7 @@ impl MirroredDisk {
             },
         ));
         let progress = Arc::new(parking_lot::Mutex::new(None));
+        let scsi: ScsiSlot = Arc::default();
         let (quorum_tx, quorum_rx) = mpsc::unbounded_channel();
         let witness_tx = witness.map(|w| {
             let (tx, rx) = mpsc::unbounded_channel();
@@ -263,6 +289,8 @@ impl MirroredDisk {
             sending: None,
             backlog: VecDeque::new(),
             running: FuturesUnordered::new(),
+            scsi: Arc::clone(&scsi),
+            scsi_running: FuturesUnordered::new(),
             last_problem: None,
             data_loss_base,
             data_loss_seen: data_loss_base,
@@ -277,7 +305,23 @@ impl MirroredDisk {
             commands,
             status,
             progress,
+            scsi,
         })
+    }
+
+    /// Set the handler of the peer's SCSI calls (held weakly: the caller keeps it
+    /// alive). Without one, or once it is dropped, calls fail with `NotSupported`.
+    pub fn set_scsi_handler(&self, handler: std::sync::Weak<dyn ScsiHandler>) {
+        *self.scsi.write() = Some(handler);
+    }
+
+    /// Call the peer's SCSI layer with `body`, in link order with the writes submitted
+    /// before; the peer's handler's answer. Fails with [`ErrorKind::WrongState`] when
+    /// the link is not connected or is lost before the answer (the peer may or may not
+    /// have handled the call), or with the handler's error.
+    pub async fn scsi_call(&self, body: Bytes) -> Result<Bytes> {
+        let fut = self.request(|done| Command::Scsi { body, done });
+        fut.await.map(Option::unwrap_or_default)
     }
 
     /// Where a running resync or verify stands (percent, bytes left, rate, ETA).

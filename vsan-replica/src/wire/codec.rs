@@ -120,6 +120,19 @@ pub fn validate(msg: &Message) -> Result<(), WireError> {
                 return invalid("resync data range passes u64::MAX");
             }
         }
+        Message::Scsi { body, .. } => {
+            if body.len() > MAX_DATA_LEN {
+                return invalid("a SCSI call exceeds MAX_DATA_LEN");
+            }
+        }
+        Message::ScsiReply { status, body, .. } => {
+            if body.len() > MAX_DATA_LEN {
+                return invalid("a SCSI reply exceeds MAX_DATA_LEN");
+            }
+            if matches!(status, Status::Failed(_)) && !body.is_empty() {
+                return invalid("a failed SCSI reply carries a body");
+            }
+        }
         Message::SyncCrc { offset, len, .. } => {
             if *len == 0 {
                 return invalid("a resync crc covers no bytes");
@@ -219,6 +232,8 @@ pub fn encode(msg: &Message) -> Result<Frame, WireError> {
             build(kind, &reply(*id, *status), Bytes::new())
         }
         Message::ReadReply { id, status, data } => build(kind, &reply(*id, *status), data.clone()),
+        Message::ScsiReply { id, status, body } => build(kind, &reply(*id, *status), body.clone()),
+        Message::Scsi { id, body } => build(kind, &pb::Token { id: *id }, body.clone()),
         Message::Flush { id }
         | Message::Ping { id }
         | Message::Pong { id }
@@ -403,6 +418,18 @@ pub fn decode(buf: &mut BytesMut) -> Result<Option<Message>, WireError> {
         Kind::Flush => Message::Flush {
             id: meta_of::<pb::Token>(kind, meta)?.id,
         },
+        Kind::Scsi => Message::Scsi {
+            id: meta_of::<pb::Token>(kind, meta)?.id,
+            body: data,
+        },
+        Kind::ScsiReply => {
+            let (id, status) = reply_of(kind, meta)?;
+            Message::ScsiReply {
+                id,
+                status,
+                body: data,
+            }
+        }
         Kind::Ping => Message::Ping {
             id: meta_of::<pb::Token>(kind, meta)?.id,
         },

@@ -70,6 +70,10 @@ pub enum Kind {
     SyncRequest = 20,
     /// [`Message::ReplicaDetached`].
     ReplicaDetached = 21,
+    /// [`Message::Scsi`].
+    Scsi = 22,
+    /// [`Message::ScsiReply`].
+    ScsiReply = 23,
     /// Transport authentication: a challenge (never reaches the protocol).
     AuthChallenge = 64,
     /// Transport authentication: the answer to a challenge (never reaches the protocol).
@@ -105,6 +109,8 @@ impl Kind {
             19 => Kind::SyncDone,
             20 => Kind::SyncRequest,
             21 => Kind::ReplicaDetached,
+            22 => Kind::Scsi,
+            23 => Kind::ScsiReply,
             64 => Kind::AuthChallenge,
             65 => Kind::AuthResponse,
             66 => Kind::LaneSeq,
@@ -137,17 +143,24 @@ impl Kind {
             Message::SyncDone { .. } => Kind::SyncDone,
             Message::SyncRequest => Kind::SyncRequest,
             Message::ReplicaDetached => Kind::ReplicaDetached,
+            Message::Scsi { .. } => Kind::Scsi,
+            Message::ScsiReply { .. } => Kind::ScsiReply,
             Message::LaneSeq { .. } => Kind::LaneSeq,
             Message::LaneJoin { .. } => Kind::LaneJoin,
         }
     }
 
     /// Whether frames of this kind may have a data section: write data, read data, a
-    /// resync bitmap's runs and resync data.
+    /// resync bitmap's runs, resync data and SCSI call bodies.
     pub fn carries_data(self) -> bool {
         matches!(
             self,
-            Kind::Write | Kind::ReadReply | Kind::SyncBitmap | Kind::SyncData
+            Kind::Write
+                | Kind::ReadReply
+                | Kind::SyncBitmap
+                | Kind::SyncData
+                | Kind::Scsi
+                | Kind::ScsiReply
         )
     }
 

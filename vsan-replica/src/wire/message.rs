@@ -15,7 +15,9 @@ use bytes::Bytes;
 /// decode it and would drop the link where it should become the sync source).
 /// 4: [`Message::ReplicaDetached`] (a node whose replica failed tells its peer that the
 /// peer's replica is the only complete copy).
-pub const PROTOCOL_VERSION: u32 = 4;
+/// 5: [`Message::Scsi`] and [`Message::ScsiReply`] (the SCSI layers of both nodes
+/// keep one logical unit's state together: reservations, COMPARE AND WRITE, resets).
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// Identifies one replicated disk across both nodes (set when the disk is created).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -334,6 +336,24 @@ pub enum Message {
     /// replica is the only complete copy (so if it fails too, the receiver keeps it
     /// rather than distrusting it, and fails I/O until it is back).
     ReplicaDetached,
+    /// A call from the sender's SCSI layer to the receiver's (opaque here: the mirror
+    /// carries it in link order with the writes, and the receiver's handler answers it
+    /// with [`Message::ScsiReply`]). Only on a connected link.
+    Scsi {
+        /// The sender's call id, echoed in the reply.
+        id: u64,
+        /// What the SCSI layer sends (at most [`MAX_DATA_LEN`](super::MAX_DATA_LEN) bytes).
+        body: Bytes,
+    },
+    /// The answer to [`Message::Scsi`] `id`.
+    ScsiReply {
+        /// The call's id.
+        id: u64,
+        /// Outcome: a failure carries no body.
+        status: Status,
+        /// The handler's answer.
+        body: Bytes,
+    },
     /// Transport (lanes): the next message on this link is number `seq` of the lane
     /// group, so the receiver can put messages sent over several lanes back in order.
     /// Consumed by [`transport::lanes`](crate::transport::lanes); never reaches the
@@ -364,6 +384,7 @@ impl Message {
                 ..
             } => d.len(),
             Message::ReadReply { data, .. } | Message::SyncData { data, .. } => data.len(),
+            Message::Scsi { body, .. } | Message::ScsiReply { body, .. } => body.len(),
             _ => 0,
         }
     }

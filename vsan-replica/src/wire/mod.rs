@@ -49,6 +49,8 @@
 //! | 19   | `SyncDone`           | `SyncDone`               | none            |
 //! | 20   | `SyncRequest`        | `SyncRequest`            | none            |
 //! | 21   | `ReplicaDetached`    | `ReplicaDetached`        | none            |
+//! | 22   | `Scsi`               | `Token` (the call id)    | the call's body (may be empty) |
+//! | 23   | `ScsiReply`          | `Reply`                  | the answer's body (none on failure) |
 //! | 64   | transport: auth challenge | `AuthChallenge`     | none            |
 //! | 65   | transport: auth response  | `AuthResponse`      | none            |
 //! | 66   | transport: `LaneSeq` | `Token` (the sequence number) | none |

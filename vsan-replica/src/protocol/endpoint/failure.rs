@@ -100,6 +100,7 @@ impl Endpoint {
                 result: Err(ErrorKind::Io),
             });
         }
+        self.fail_scsi_calls();
     }
 
     /// Flushes sent to the peer or waiting for it, while the peer is away: complete

@@ -64,6 +64,7 @@ mod freshness;
 mod handshake;
 mod journal;
 mod reads;
+mod scsi;
 mod shutdown;
 mod sync;
 mod timers;
@@ -151,6 +152,8 @@ pub struct Endpoint {
     local_reads: FastMap<RequestId, (u64, u32)>,
     /// Reads sent to the peer, with their lengths.
     remote_reads: FastMap<RequestId, u32>,
+    /// SCSI calls sent to the peer on the current link (scsi.rs).
+    scsi_calls: FastMap<RequestId, ()>,
     /// Reads waiting for quorum or for the peer, with when they were submitted.
     held_reads: VecDeque<(RequestId, u64, u32, Instant)>,
     last_app_io: Instant,
@@ -216,6 +219,7 @@ impl Endpoint {
             own_flushes: FastMap::default(),
             local_reads: FastMap::default(),
             remote_reads: FastMap::default(),
+            scsi_calls: FastMap::default(),
             held_reads: VecDeque::new(),
             last_app_io: now,
             peer_writes: FastMap::default(),
@@ -430,6 +434,8 @@ impl Endpoint {
                     result,
                 });
             }
+            Message::Scsi { id, body } => self.peer_scsi(id, body),
+            Message::ScsiReply { id, status, body } => self.peer_scsi_reply(now, id, status, body),
             m @ (Message::SyncBitmap { .. }
             | Message::SyncData { .. }
             | Message::SyncAck { .. }

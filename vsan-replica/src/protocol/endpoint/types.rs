@@ -241,4 +241,15 @@ pub enum Event {
     },
     /// A resync or verify ended (finished or interrupted).
     SyncEnded(SyncSummary),
+    /// The peer's SCSI layer called this node's ([`Message::Scsi`](super::super::message::Message::Scsi)):
+    /// the driver hands `body` to the SCSI handler and answers with
+    /// [`Endpoint::reply_scsi`](super::Endpoint::reply_scsi)`(epoch, id, ...)`.
+    ScsiRequest {
+        /// The link the call came on.
+        epoch: u64,
+        /// The peer's call id.
+        id: u64,
+        /// What the peer's SCSI layer sent.
+        body: Bytes,
+    },
 }

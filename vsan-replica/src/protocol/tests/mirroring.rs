@@ -501,3 +501,59 @@ fn resync_with_writes_on_both_nodes_ends_identical() {
         }
     }
 }
+
+/// A SCSI call goes out only on a connected link, reaches the peer as an event in link
+/// order after the writes sent before it, and its answer completes it; a call still
+/// waiting when the link is lost fails, and so does one made while the peer is away.
+#[test]
+fn scsi_calls_travel_in_link_order_and_fail_with_the_link() {
+    let mut p = Pair::connected();
+    let w = p.write(0, 0, fill(0x11, 512), false);
+    let now = p.now;
+    let call = p.n[0].ep.submit_scsi(now, Bytes::from_static(b"ping"));
+    p.pump();
+    let order: Vec<bool> = p.n[1]
+        .inbox
+        .iter()
+        .filter_map(|m| match m {
+            Message::Write { .. } => Some(false),
+            Message::Scsi { .. } => Some(true),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(order, [false, true], "the call overtook the write");
+    p.run();
+    assert_eq!(p.n[0].result_of(w), Some(&Ok(None)));
+    let (epoch, id, body) = p.n[1]
+        .events
+        .iter()
+        .find_map(|e| match e {
+            Event::ScsiRequest { epoch, id, body } => Some((*epoch, *id, body.clone())),
+            _ => None,
+        })
+        .expect("no call reached the peer");
+    assert_eq!(&body[..], b"ping");
+    assert_eq!(
+        p.n[0].result_of(call),
+        None,
+        "answered before the peer replied"
+    );
+    p.n[1]
+        .ep
+        .reply_scsi(now, epoch, id, Ok(Bytes::from_static(b"pong")));
+    p.pump();
+    p.run();
+    assert_eq!(
+        p.n[0].result_of(call),
+        Some(&Ok(Some(Bytes::from_static(b"pong"))))
+    );
+
+    let lost = p.n[0].ep.submit_scsi(now, Bytes::from_static(b"lost"));
+    p.pump();
+    p.cut();
+    p.run();
+    assert_eq!(p.n[0].result_of(lost), Some(&Err(ErrorKind::WrongState)));
+    let alone = p.n[0].ep.submit_scsi(now, Bytes::new());
+    p.pump();
+    assert_eq!(p.n[0].result_of(alone), Some(&Err(ErrorKind::WrongState)));
+}
