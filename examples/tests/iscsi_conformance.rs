@@ -1,6 +1,8 @@
 //! libiscsi's conformance suite, `iscsi-test-cu -d` (the default families: ALL, SCSI,
 //! iSCSI, LINUX; destructive tests allowed), against vsan-node's iSCSI target: a
-//! file-backed local disk, and a mirrored disk through node 1. No test may fail, and
+//! file-backed local disk, and a mirrored disk through both nodes (one URL per node:
+//! libiscsi's multipath mode, where every test's second nexus logs in through node 2,
+//! so reservations, resets and COMPARE AND WRITE are checked across the pair). No test may fail, and
 //! every test that skips something must be in `tests/data/iscsi-skips.txt` (which
 //! TESTING.md mirrors) with the reason.
 //!
@@ -17,7 +19,8 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use common::iscsi::{CuReport, IscsiPair, IscsiTarget, local_config, read_allowlist};
-use common::{Node, Sig, TestDir, ToolOutput, require_tool, run_tool};
+use common::mirror::assert_replicas_identical;
+use common::{Node, Sig, TestDir, ToolOutput, image, require_tool, run_tool};
 
 /// The committed allowlist of skipped tests.
 const ALLOWLIST: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/iscsi-skips.txt");
@@ -28,9 +31,10 @@ const SUITE_TIMEOUT: Duration = Duration::from_secs(900);
 /// The conformance disks' size.
 const SIZE: &str = "\"256MiB\"";
 
-/// Run `iscsi-test-cu -d [-t <part>] <url>`; returns its output, the parse and how long
-/// it took.
-fn run_suite(url: &str) -> (ToolOutput, CuReport, Duration) {
+/// Run `iscsi-test-cu -d [-t <part>] <url>...` (a second URL is libiscsi's multipath
+/// mode: every test that opens a second nexus opens it there); returns its output, the
+/// parse and how long it took.
+fn run_suite(urls: &[String]) -> (ToolOutput, CuReport, Duration) {
     let mut args = vec!["-d".to_string()];
     if let Ok(part) = std::env::var("VSAN_ISCSI_CU_TESTS")
         && !part.is_empty()
@@ -38,7 +42,7 @@ fn run_suite(url: &str) -> (ToolOutput, CuReport, Duration) {
         args.push("-t".to_string());
         args.push(part);
     }
-    args.push(url.to_string());
+    args.extend(urls.iter().cloned());
     let started = Instant::now();
     let out = run_tool("iscsi-test-cu", &args, SUITE_TIMEOUT);
     let took = started.elapsed();
@@ -47,8 +51,8 @@ fn run_suite(url: &str) -> (ToolOutput, CuReport, Duration) {
 }
 
 /// No test failed, and every skip is allowed.
-fn assert_conformant(what: &str, url: &str) {
-    let (out, report, took) = run_suite(url);
+fn assert_conformant(what: &str, urls: &[String]) {
+    let (out, report, took) = run_suite(urls);
     eprintln!(
         "{what}: iscsi-test-cu ran {} tests in {:.1} s: {} failed, {} skipped something \
          ({} distinct), {} [SKIPPED] lines",
@@ -98,7 +102,7 @@ fn assert_conformant(what: &str, url: &str) {
         why += &format!("the output did not parse as expected: {e}\n");
     }
     panic!(
-        "{what}: iscsi-test-cu against {url}: {} failed, {} skipped without an allowlist \
+        "{what}: iscsi-test-cu against {urls:?}: {} failed, {} skipped without an allowlist \
          entry\n{why}\n--- the whole run ---\n{out}",
         failed.len(),
         unlisted.len()
@@ -113,20 +117,25 @@ fn iscsi_test_cu_passes_on_a_local_file_disk() {
     let dir = TestDir::new("iscsi-cu-local");
     let node = Node::start(&dir, &local_config(&dir, "vol0", SIZE, ""), &["vol0"]);
     let target = IscsiTarget::of_node(&node, "vol0");
-    assert_conformant("local disk", &target.url());
+    assert_conformant("local disk", &[target.url()]);
     node.stop_clean(Sig::TERM);
 }
 
 #[test]
-fn iscsi_test_cu_passes_on_a_mirrored_disk() {
+fn iscsi_test_cu_passes_on_a_mirrored_disk_through_both_nodes() {
     if !require_tool("iscsi-test-cu") {
         return;
     }
     let pair = IscsiPair::start("iscsi-cu-mirror", "vol0", SIZE);
-    let target = IscsiTarget::of_node(&pair.n1, "vol0");
-    assert_conformant("mirrored disk, node 1", &target.url());
+    let t1 = IscsiTarget::of_node(&pair.n1, "vol0");
+    let t2 = IscsiTarget::of_node(&pair.n2, "vol0");
+    assert_conformant(
+        "mirrored disk, node 1 and node 2 (multipath)",
+        &[t1.url(), t2.url()],
+    );
     pair.n1.stop_clean(Sig::TERM);
     pair.n2.stop_clean(Sig::TERM);
+    assert_replicas_identical(&image(&pair.dir1, "vol0"), &image(&pair.dir2, "vol0"));
 }
 
 /// The allowlist parses, and TESTING.md lists each of its tests.
@@ -237,7 +246,7 @@ fn tgtd_baseline_matches_testing_md() {
         &dir.join("tgtd.log"),
     )
     .expect("start tgtd");
-    let (out, report, took) = run_suite(&tgtd.url());
+    let (out, report, took) = run_suite(&[tgtd.url()]);
     eprintln!(
         "tgtd: {} tests in {:.1} s, {} failed ({:?}), {} skipped something ({} distinct), \
          {} [SKIPPED] lines",

@@ -3,6 +3,9 @@
 //! - libiscsi's multipath mode (`iscsi-test-cu` given one URL per node) accepts the two
 //!   nodes' ports as paths to one device (the same LU designators and serial), and its
 //!   MultipathIO.Simple test writes through each node and reads back through the other.
+//! - The suites whose second nexus logs in through the other node (MultipathIO,
+//!   Prin*/Prout*, Reserve6) run, pass and skip nothing: reservations, resets and
+//!   COMPARE AND WRITE hold across the pair.
 //! - The ALUA states REPORT TARGET PORT GROUPS reports on each node follow the mirror:
 //!   both groups active/optimized in sync; the survivor reports its peer's group
 //!   unavailable when the peer is killed (and raises ASYMMETRIC ACCESS STATE CHANGED); a
@@ -55,6 +58,66 @@ fn iscsi_test_cu_multipath_io_through_both_nodes() {
         !simple.is_empty() && simple.iter().all(|t| !t.failed && t.skips.is_empty()),
         "MultipathIO.Simple did not run and pass through both nodes:\n{out}"
     );
+    pair.n1.stop_clean(Sig::TERM);
+    pair.n2.stop_clean(Sig::TERM);
+    assert_replicas_identical(&image(&pair.dir1, "vol0"), &image(&pair.dir2, "vol0"));
+}
+
+/// libiscsi's suites whose second nexus, in multipath mode, logs in through the other
+/// node: reservations, resets and COMPARE AND WRITE must hold across the pair.
+const ACROSS_THE_PAIR: &[&str] = &[
+    "ALL.MultipathIO",
+    "ALL.PrinReadKeys",
+    "ALL.PrinServiceactionRange",
+    "ALL.PrinReportCapabilities",
+    "ALL.ProutRegister",
+    "ALL.ProutReserve",
+    "ALL.ProutClear",
+    "ALL.ProutPreempt",
+    "ALL.Reserve6",
+];
+
+#[test]
+fn iscsi_test_cu_reservations_resets_and_caw_across_both_nodes() {
+    if !require_tool("iscsi-test-cu") {
+        return;
+    }
+    let pair = IscsiPair::start("iscsi-mpath-pr", "vol0", "\"64MiB\"");
+    let t1 = IscsiTarget::of_node(&pair.n1, "vol0");
+    let t2 = IscsiTarget::of_node(&pair.n2, "vol0");
+    for suite in ACROSS_THE_PAIR {
+        let out = run_tool(
+            "iscsi-test-cu",
+            &["-d", "-t", suite, &t1.url(), &t2.url()],
+            Duration::from_secs(300),
+        );
+        let report = CuReport::parse(&out.stdout);
+        assert!(!report.tests.is_empty(), "{suite}: nothing ran:\n{out}");
+        let failed: Vec<&str> = report
+            .tests
+            .iter()
+            .filter(|t| t.failed)
+            .map(|t| t.name.as_str())
+            .collect();
+        assert!(
+            failed.is_empty(),
+            "{suite}: {failed:?} failed through both nodes:\n{out}"
+        );
+        let skipped: Vec<(&str, &Vec<String>)> = report
+            .tests
+            .iter()
+            .filter(|t| !t.skips.is_empty())
+            .map(|t| (t.name.as_str(), &t.skips))
+            .collect();
+        assert!(
+            skipped.is_empty(),
+            "{suite}: skipped through both nodes: {skipped:?}\n{out}"
+        );
+        eprintln!(
+            "{suite}: {} tests passed through both nodes",
+            report.tests.len()
+        );
+    }
     pair.n1.stop_clean(Sig::TERM);
     pair.n2.stop_clean(Sig::TERM);
     assert_replicas_identical(&image(&pair.dir1, "vol0"), &image(&pair.dir2, "vol0"));

@@ -12,6 +12,7 @@ mod demo;
 mod freshness;
 mod go_api;
 mod interop;
+mod iscsi_cluster;
 mod iscsi_conformance;
 mod iscsi_interop;
 mod iscsi_multipath;

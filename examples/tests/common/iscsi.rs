@@ -601,6 +601,8 @@ pub struct RawConn {
     pub lun: u32,
     /// The ISID this connection's session uses.
     pub isid: [u8; 6],
+    /// The InitiatorName it logs in with.
+    pub initiator: String,
 }
 
 impl RawConn {
@@ -625,6 +627,7 @@ impl RawConn {
             next_itt: 1,
             lun: target.lun,
             isid: [0x80, 0x56, 0x53, 0x41, (salt >> 8) as u8, salt as u8],
+            initiator: RAW_INITIATOR.to_string(),
         }
     }
 
@@ -634,6 +637,18 @@ impl RawConn {
         let mut c = RawConn::connect(target);
         c.login_normal(target)
             .unwrap_or_else(|e| panic!("raw login: {e}"));
+        c
+    }
+
+    /// Connect and log in as initiator port `initiator` + `isid` (the same name and
+    /// ISID through both nodes of a pair is one initiator port with two I_T nexuses,
+    /// as a multipath initiator's paths are); panics if the target refuses.
+    pub fn login_as(target: &IscsiTarget, initiator: &str, isid: [u8; 6]) -> RawConn {
+        let mut c = RawConn::connect(target);
+        c.initiator = initiator.to_string();
+        c.isid = isid;
+        c.login_normal(target)
+            .unwrap_or_else(|e| panic!("raw login as {initiator}: {e}"));
         c
     }
 
@@ -751,8 +766,9 @@ impl RawConn {
     /// Log in to `target` as a normal session, security then operational stage, to
     /// full feature phase. Returns the operational stage's answer keys.
     pub fn login_normal(&mut self, target: &IscsiTarget) -> Result<Vec<(String, String)>, String> {
+        let initiator = self.initiator.clone();
         let security = [
-            ("InitiatorName", RAW_INITIATOR),
+            ("InitiatorName", initiator.as_str()),
             ("SessionType", "Normal"),
             ("TargetName", target.iqn.as_str()),
             ("AuthMethod", "None"),
@@ -857,6 +873,61 @@ impl RawConn {
         self.wait_answer(itt)
     }
 
+    /// Run `cdb` with `data` out: the raw initiator offers neither immediate nor
+    /// unsolicited data, so the data goes in Data-Out PDUs (of at most 8 KiB, the
+    /// default MaxRecvDataSegmentLength) as the target's R2Ts ask for it. The status
+    /// and sense.
+    pub fn command_out(&mut self, cdb: &[u8], data: &[u8]) -> Result<Answer, String> {
+        let len = u32::try_from(data.len()).expect("a test's data-out");
+        let (itt, mut pdu) = self.scsi_cmd(cdb, false, len);
+        if !data.is_empty() {
+            pdu.bytes[1] |= 0x20; // Write.
+        }
+        self.send(&pdu)
+            .map_err(|e| format!("send CDB {:#04x}: {e}", cdb[0]))?;
+        let deadline = Instant::now() + TOOL_TIMEOUT;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.recv(left) {
+                Reply::Pdu(p) if p.itt() == itt && p.opcode() == op::R2T => {
+                    let ttt = p.u32_at(20);
+                    let offset = p.u32_at(40) as usize;
+                    let want = p.u32_at(44) as usize;
+                    let end = (offset + want).min(data.len());
+                    let mut at = offset;
+                    let mut sn = 0u32;
+                    while at < end {
+                        let n = (end - at).min(8192);
+                        let last = at + n == end;
+                        let out = Bhs::new(op::DATA_OUT, false, if last { 0x80 } else { 0 })
+                            .bytes_at(8, &pdu.bytes[8..16])
+                            .itt(itt)
+                            .u32_at(20, ttt)
+                            .exp_stat_sn(self.exp_stat_sn)
+                            .u32_at(36, sn)
+                            .u32_at(40, at as u32)
+                            .data(data[at..at + n].to_vec());
+                        self.send(&out).map_err(|e| format!("send Data-Out: {e}"))?;
+                        at += n;
+                        sn += 1;
+                    }
+                }
+                Reply::Pdu(p) if p.itt() == itt && p.opcode() == op::SCSI_RSP => {
+                    return Ok(Answer {
+                        status: p.bhs[3],
+                        data: Vec::new(),
+                        sense: sense_of(&p),
+                    });
+                }
+                Reply::Pdu(p) if p.opcode() == op::REJECT => {
+                    return Err(format!("Reject, reason {:#04x}", p.bhs[2]));
+                }
+                Reply::Pdu(_) => {}
+                other => return Err(format!("no SCSI status for ITT {itt}: {other:?}")),
+            }
+        }
+    }
+
     /// Read PDUs until the SCSI Response (or Data-In with status) for `itt`, gathering
     /// its data in and its sense bytes.
     fn wait_answer(&mut self, itt: u32) -> Result<Answer, String> {
@@ -876,18 +947,10 @@ impl RawConn {
                     }
                 }
                 Reply::Pdu(p) if p.itt() == itt && p.opcode() == op::SCSI_RSP => {
-                    // The data segment of a response with sense: SenseLength, then sense.
-                    let sense = match p.data.get(..2) {
-                        Some(l) => {
-                            let n = usize::from(u16::from_be_bytes([l[0], l[1]]));
-                            p.data.get(2..2 + n).unwrap_or(&[]).to_vec()
-                        }
-                        None => Vec::new(),
-                    };
                     return Ok(Answer {
                         status: p.bhs[3],
                         data,
-                        sense,
+                        sense: sense_of(&p),
                     });
                 }
                 Reply::Pdu(p) if p.opcode() == op::REJECT => {
@@ -966,6 +1029,17 @@ impl Answer {
             0x72 | 0x73 => Some((*self.sense.get(2)?, *self.sense.get(3)?)),
             _ => None,
         }
+    }
+}
+
+/// The sense bytes of a SCSI Response (its data segment: SenseLength, then sense).
+fn sense_of(p: &Pdu) -> Vec<u8> {
+    match p.data.get(..2) {
+        Some(l) => {
+            let n = usize::from(u16::from_be_bytes([l[0], l[1]]));
+            p.data.get(2..2 + n).unwrap_or(&[]).to_vec()
+        }
+        None => Vec::new(),
     }
 }
 

@@ -637,6 +637,23 @@ impl Node {
         self.wait_log_count(needle, 1, limit);
     }
 
+    /// The node's pid.
+    pub fn pid(&self) -> u32 {
+        self.process.pid()
+    }
+
+    /// The CPU time (user + system) the node's process has used so far.
+    pub fn cpu(&self) -> Duration {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid()))
+            .expect("read /proc/<pid>/stat");
+        // The fields after the command name (which may hold spaces) in parentheses.
+        let rest = &stat[stat.rfind(')').expect("a stat line") + 2..];
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        let ticks: u64 = f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap();
+        // USER_HZ is 100 on Linux.
+        Duration::from_millis(ticks * 10)
+    }
+
     /// Send `sig` and wait for the daemon to exit; panics if it takes longer than
     /// [`STOP_TIMEOUT`] (it is killed first).
     pub fn stop(mut self, sig: Signal) -> Stopped {

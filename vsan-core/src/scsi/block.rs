@@ -328,7 +328,25 @@ impl LogicalUnit {
         let (off, len) = self.bytes_of(lba, blocks);
         let fua = !mb.wce() || u8_at(cdb, 1) & 0x08 != 0;
         let flags = if fua { IoFlags::FUA } else { IoFlags::empty() };
+        // Both nodes' stripes when the unit has a peer: the other node's first, the
+        // resolver's second (peer.rs).
+        let resolver = self.peer().is_some_and(|p| p.is_resolver());
+        let early = if resolver {
+            Some(self.peer_lock(lba, blocks).await.map_err(|e| {
+                tracing::warn!("COMPARE AND WRITE: the other node's lock: {e}");
+                Fail::Check(sense::INTERNAL_FAILURE)
+            })?)
+        } else {
+            None
+        };
         let _held = self.locks.exclusive(lba, blocks).await;
+        let _peer = match early {
+            Some(g) => g,
+            None => self.peer_lock(lba, blocks).await.map_err(|e| {
+                tracing::warn!("COMPARE AND WRITE: the other node's lock: {e}");
+                Fail::Check(sense::INTERNAL_FAILURE)
+            })?,
+        };
         let current = self
             .device
             .read(off, len as usize)

@@ -149,8 +149,9 @@ impl LogicalUnit {
     /// The reservation checks, taken only while some reservation exists.
     fn reservation_allows(&self, nexus: &NexusState, cdb: &[u8]) -> bool {
         let op = u8_at(cdb, 0);
-        if let Some(holder) = *self.scsi2.lock() {
-            if holder != nexus.id && !always_served(op) && !matches!(op, RELEASE_6 | RELEASE_10) {
+        if let Some(holder) = &*self.scsi2.lock() {
+            if *holder != nexus.nexus && !always_served(op) && !matches!(op, RELEASE_6 | RELEASE_10)
+            {
                 return false;
             }
         }
@@ -195,16 +196,13 @@ impl LogicalUnit {
                 }
                 Ok(good())
             }
-            RESERVE_6 | RESERVE_10 => self.reserve(nexus, cdb),
-            RELEASE_6 | RELEASE_10 => {
-                let mut s2 = self.scsi2.lock();
-                if *s2 == Some(nexus.id) {
-                    *s2 = None;
+            RESERVE_6 | RESERVE_10 => {
+                if cdb[0] == RESERVE_10 && u8_at(cdb, 1) & 0x12 != 0 {
+                    return Err(sense::INVALID_FIELD_IN_CDB.into()); // third party, LONGID
                 }
-                drop(s2);
-                self.update_reserved();
-                Ok(good())
+                self.scsi2_op(&nexus.nexus, true).await.map(|()| good())
             }
+            RELEASE_6 | RELEASE_10 => self.scsi2_op(&nexus.nexus, false).await.map(|()| good()),
             READ_CAPACITY_10 => {
                 if u8_at(cdb, 8) & 0x01 == 0 && be32(cdb, 2) != 0 {
                     return Err(sense::INVALID_FIELD_IN_CDB.into());
@@ -255,30 +253,44 @@ impl LogicalUnit {
         self.geometry.size() / u64::from(self.geometry.block_size())
     }
 
-    fn reserve(&self, nexus: &NexusState, cdb: &[u8]) -> Res {
-        if cdb[0] == RESERVE_10 && u8_at(cdb, 1) & 0x12 != 0 {
-            return Err(sense::INVALID_FIELD_IN_CDB.into()); // third party, LONGID
-        }
-        // SPC-2 5.5.1: RESERVE while a persistent reservation is in effect conflicts.
-        if self.pr.read().reservation.is_some() {
-            return Err(Fail::Conflict);
-        }
+    /// SCSI-2 RESERVE (`reserve`) or RELEASE from `from` on this node's state.
+    pub(super) fn scsi2_local(&self, from: &super::Nexus, reserve: bool) -> Result<(), Fail> {
         let mut s2 = self.scsi2.lock();
-        match *s2 {
-            Some(h) if h != nexus.id => return Err(Fail::Conflict),
-            _ => *s2 = Some(nexus.id),
+        if reserve {
+            // SPC-2 5.5.1: RESERVE while a persistent reservation is in effect conflicts.
+            if self.pr.read().reservation.is_some() {
+                return Err(Fail::Conflict);
+            }
+            match &*s2 {
+                Some(h) if h != from => return Err(Fail::Conflict),
+                _ => *s2 = Some(from.clone()),
+            }
+        } else if s2.as_ref() == Some(from) {
+            *s2 = None;
         }
         drop(s2);
         self.update_reserved();
-        Ok(good())
+        Ok(())
     }
 
     async fn pr_out(&self, nexus: &Arc<NexusState>, cdb: &[u8], data: &[u8]) -> Res {
         let op = PrOut::decode(cdb, data)?;
-        if self.scsi2.lock().is_some_and(|h| h != nexus.id) {
+        if self
+            .scsi2
+            .lock()
+            .as_ref()
+            .is_some_and(|h| *h != nexus.nexus)
+        {
             return Err(Fail::Conflict);
         }
-        match self.apply_pr_out(&nexus.nexus, Some(nexus.id), &op).await {
+        let outcome = match self.forward_pr_out(&nexus.nexus, cdb, data).await {
+            Some(r) => r,
+            None => {
+                self.apply_pr_out(&nexus.nexus, Some(nexus.id), &op, Some((cdb, data)))
+                    .await
+            }
+        };
+        match outcome {
             Ok(()) => Ok(good()),
             Err(PrError::Conflict) => Err(Fail::Conflict),
             Err(PrError::Check(s)) => Err(s.into()),
@@ -299,14 +311,19 @@ impl LogicalUnit {
         from: &super::Nexus,
         op: &PrOut,
     ) -> Result<(), PrError> {
-        self.apply_pr_out(from, None, op).await
+        self.apply_pr_out(from, None, op, None).await
     }
 
-    async fn apply_pr_out(
+    /// Apply a PERSISTENT RESERVE OUT from `from` (`local`: its nexus id when it is
+    /// attached here) under the PR lock; `raw` (its CDB and data-out) when this node
+    /// must replicate it: to the other node when this is the resolver, or as a change
+    /// made alone otherwise (see `peer.rs`).
+    pub(super) async fn apply_pr_out(
         &self,
         from: &super::Nexus,
         local: Option<u64>,
         op: &PrOut,
+        raw: Option<(&[u8], &[u8])>,
     ) -> Result<(), PrError> {
         let _serial = self.pr_out.lock().await;
         let mut next = self.pr.read().clone();
@@ -322,7 +339,11 @@ impl LogicalUnit {
         if !fx.unit_attentions.is_empty() || !fx.aborts.is_empty() {
             let tas = self.mode.get().tas();
             let all = self.nexuses.lock().clone();
-            for n in all.iter().filter(|n| Some(n.id) != local) {
+            // The issuer raises nothing on itself, wherever it is attached.
+            for n in all
+                .iter()
+                .filter(|n| Some(n.id) != local && n.nexus != *from)
+            {
                 for (reg, s) in &fx.unit_attentions {
                     if reg.matches(&n.nexus) {
                         n.push_ua(*s);
@@ -332,6 +353,10 @@ impl LogicalUnit {
                     n.bump_aborts(tas, false);
                 }
             }
+        }
+        if raw.is_some() && (fx.changed || !fx.unit_attentions.is_empty() || !fx.aborts.is_empty())
+        {
+            self.replicate_pr_out(from, raw, fx.changed, &Ok(())).await;
         }
         Ok(())
     }
@@ -351,7 +376,7 @@ impl LogicalUnit {
     }
 
     /// Write the state file: a temporary file, fsync, rename over, fsync the directory.
-    async fn persist(&self, state: &super::PrState) -> std::io::Result<()> {
+    pub(super) async fn persist(&self, state: &super::PrState) -> std::io::Result<()> {
         let store = self.pr_store.read().clone();
         if let Some(store) = store {
             return store

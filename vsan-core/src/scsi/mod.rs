@@ -58,11 +58,13 @@ mod exec;
 mod inquiry;
 mod lock;
 mod mode;
+pub mod peer;
 pub mod pr;
 pub mod sense;
 #[cfg(test)]
 mod tests;
 
+pub use peer::{PeerLink, ScsiPeer};
 pub use pr::{PrState, PrType, Registration, Reservation};
 pub use sense::{Sense, SenseKey};
 
@@ -229,14 +231,22 @@ pub struct LogicalUnit {
     pr: RwLock<PrState>,
     /// Serialises PERSISTENT RESERVE OUT (apply, persist, publish).
     pr_out: tokio::sync::Mutex<()>,
-    /// The nexus holding a SCSI-2 reservation.
-    scsi2: Mutex<Option<u64>>,
+    /// The nexus holding a SCSI-2 reservation (on either node, with a peer).
+    scsi2: Mutex<Option<Nexus>>,
     locks: lock::StripeLock,
     groups: RwLock<Vec<PortGroup>>,
     /// Where PR state goes instead of the state file, when set.
     pr_store: RwLock<Option<Arc<dyn PrStore>>>,
     /// This node's group's [`AluaState`], for the per-command check.
     own_state: AtomicU8,
+    /// The other node serving this unit, if any (peer.rs).
+    peer: RwLock<Option<Arc<dyn ScsiPeer>>>,
+    /// Stripe locks held for the other node's COMPARE AND WRITE, by its lock id.
+    peer_locks: Mutex<std::collections::HashMap<u64, tokio::sync::oneshot::Sender<()>>>,
+    /// The id of the next stripe lock this node takes on the other.
+    next_peer_lock: AtomicU64,
+    /// No reservation state was settled with the other node since this unit was made.
+    pr_fresh: AtomicBool,
 }
 
 /// Where the persistent reservation state is kept. By default a logical unit writes
@@ -445,6 +455,10 @@ impl LogicalUnit {
             groups: RwLock::new(groups),
             pr_store: RwLock::new(None),
             own_state: AtomicU8::new(AluaState::ActiveOptimized as u8),
+            peer: RwLock::new(None),
+            peer_locks: Mutex::new(std::collections::HashMap::new()),
+            next_peer_lock: AtomicU64::new(1),
+            pr_fresh: AtomicBool::new(true),
             config,
         }))
     }
@@ -538,13 +552,27 @@ impl LogicalUnit {
 
     /// The end of a nexus: its SCSI-2 reservation goes, its registrations stay.
     fn detach(&self, id: u64) {
-        self.nexuses.lock().retain(|n| n.id != id);
+        let mut gone = None;
+        self.nexuses.lock().retain(|n| {
+            if n.id == id {
+                gone = Some(n.nexus.clone());
+            }
+            n.id != id
+        });
+        let Some(gone) = gone else {
+            return;
+        };
         let mut s2 = self.scsi2.lock();
-        if *s2 == Some(id) {
+        let held = s2.as_ref() == Some(&gone);
+        if held {
             *s2 = None;
         }
         drop(s2);
         self.update_reserved();
+        if held {
+            // The other node learns it too (its release runs in the background).
+            self.scsi2_released_here(gone);
+        }
     }
 
     fn update_reserved(&self) {
@@ -585,18 +613,30 @@ impl LogicalUnit {
     /// | TARGET WARM RESET | as LU reset with UA 29/02, not on the issuer |
     /// | TARGET COLD RESET | as LU reset with UA 29/01 (not on the issuer), mode pages to defaults, PR state without APTPL cleared |
     /// | CLEAR ACA | `NotSupported` (no ACA is offered) |
+    ///
+    /// With a peer ([`LogicalUnit::set_peer`]) the other node's nexuses see the same
+    /// effects: the transport runs [`LogicalUnit::peer_task_management`] and answers
+    /// after it.
     pub fn task_management(&self, nexus: &NexusHandle, function: TaskFunction) -> Result<()> {
-        let me = nexus.state.id;
+        if function == TaskFunction::ClearAca {
+            return Err(Error::new(ErrorKind::NotSupported, "CLEAR ACA: no ACA"));
+        }
+        self.reset_effects(Some(&nexus.state), function);
+        Ok(())
+    }
+
+    /// The effects of a task management function on this node's nexuses; `issuer` is
+    /// the issuing nexus when it is attached here (none: it came through the other
+    /// node).
+    fn reset_effects(&self, issuer: Option<&NexusState>, function: TaskFunction) {
+        let me = issuer.map(|n| n.id);
         let tas = self.mode.get().tas();
         let (ua, abort) = match function {
-            TaskFunction::AbortTaskSet => return Ok(()),
+            TaskFunction::AbortTaskSet | TaskFunction::ClearAca => return,
             TaskFunction::ClearTaskSet => (None, true),
             TaskFunction::LunReset => (Some(sense::UA_BUS_DEVICE_RESET), true),
             TaskFunction::TargetWarmReset => (Some(sense::UA_BUS_RESET), true),
             TaskFunction::TargetColdReset => (Some(sense::UA_POWER_ON), true),
-            TaskFunction::ClearAca => {
-                return Err(Error::new(ErrorKind::NotSupported, "CLEAR ACA: no ACA"));
-            }
         };
         if ua.is_some() {
             *self.scsi2.lock() = None;
@@ -610,10 +650,14 @@ impl LogicalUnit {
         // libiscsi's MultipathIO.Reset looks for it on every path). A target reset's
         // goes to the others only: the issuer knows, and for a cold reset its
         // connection is dropped anyway.
-        if let (Some(s), TaskFunction::LunReset) = (ua, function) {
-            nexus.state.push_ua(s);
+        if let (Some(s), TaskFunction::LunReset, Some(i)) = (ua, function, issuer) {
+            i.push_ua(s);
         }
-        for n in self.others(me) {
+        let others: Vec<Arc<NexusState>> = match me {
+            Some(me) => self.others(me),
+            None => self.nexuses.lock().clone(),
+        };
+        for n in others {
             if let Some(s) = ua {
                 n.push_ua(s);
             }
@@ -621,7 +665,6 @@ impl LogicalUnit {
                 n.bump_aborts(tas, function == TaskFunction::ClearTaskSet);
             }
         }
-        Ok(())
     }
 }
 

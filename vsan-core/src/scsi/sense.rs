@@ -31,6 +31,26 @@ pub enum SenseKey {
     Miscompare = 0xE,
 }
 
+impl SenseKey {
+    /// The key for its code, if it is one of these.
+    pub fn from_u8(v: u8) -> Option<SenseKey> {
+        use SenseKey::*;
+        [
+            NoSense,
+            NotReady,
+            MediumError,
+            HardwareError,
+            IllegalRequest,
+            UnitAttention,
+            DataProtect,
+            AbortedCommand,
+            Miscompare,
+        ]
+        .into_iter()
+        .find(|k| *k as u8 == v)
+    }
+}
+
 /// One sense condition: key, additional sense code and qualifier, and the INFORMATION
 /// field when there is one (MISCOMPARE's byte offset).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

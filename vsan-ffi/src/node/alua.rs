@@ -15,18 +15,27 @@
 //! | `Waiting` (not yet proven current, held for quorum) | transitioning | NOT READY, 04/0A |
 //! | `Unable` (no complete copy reachable, quorum lost, shutting down) | unavailable | NOT READY, 04/0C |
 //!
+//! On each new link the node also settles the reservation state with the other node
+//! ([`LogicalUnit::peer_connected`]); a node whose state may be the older one
+//! ([`LogicalUnit::must_settle`]: just started, or the resync's target) keeps its group
+//! transitioning until that exchange is done.
+//!
 //! Each change raises ASYMMETRIC ACCESS STATE CHANGED (2A/06) on every nexus of the node
 //! that sees it and is logged. The NOT READY answers are what let a multipath initiator
 //! move I/O to the other node instead of failing it; behind them the mirror still holds
 //! any request that reaches an unproven replica, so a race between a state change and a
 //! command can delay it but never serve stale data.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use tracing::info;
+use tracing::{info, warn};
 use vsan_core::scsi::{AluaState, LogicalUnit, PortGroup};
+use vsan_replica::protocol::LinkState;
 use vsan_replica::{MirrorStatus, Serving};
 
 /// The relative target port (and target port group, and portal group tag) of node
@@ -66,6 +75,21 @@ pub(super) fn port_groups(own: u16, peer: u16, status: &MirrorStatus) -> Vec<Por
     ];
     groups.sort_by_key(|g| g.id);
     groups
+}
+
+/// How long a failed reservation state exchange waits before it is tried again (the
+/// link is still up; the node stays transitioning if it must not serve before it).
+const SETTLE_RETRY: Duration = Duration::from_millis(250);
+
+/// A reservation state exchange in flight.
+type Settle = Pin<Box<dyn Future<Output = vsan_core::Result<()>> + Send>>;
+
+/// [`LogicalUnit::peer_connected`] after `delay`.
+fn settle_with_peer(lu: Arc<LogicalUnit>, delay: Duration) -> Settle {
+    Box::pin(async move {
+        tokio::time::sleep(delay).await;
+        lu.peer_connected().await
+    })
 }
 
 /// A mirrored disk's logical unit whose port groups follow its mirror's status.
@@ -109,8 +133,37 @@ impl AluaFollower {
         };
         let (disk, lu, own, peer) = (self.disk.clone(), self.lu.clone(), self.own, self.peer);
         self.task = Some(tokio::spawn(async move {
+            let mut connected = false;
+            // The reservation state exchange of the current link, while it runs.
+            let mut settle: Option<Settle> = None;
+            // Whether this node's group stays transitioning until `settle` ends.
+            let mut gated = false;
             loop {
-                let groups = port_groups(own, peer, &rx.borrow_and_update());
+                let now_connected = rx.borrow().link == LinkState::Connected;
+                if now_connected != connected {
+                    connected = now_connected;
+                    if connected {
+                        gated = lu.must_settle();
+                        settle = Some(settle_with_peer(lu.clone(), Duration::ZERO));
+                        info!(
+                            disk = %disk,
+                            gated,
+                            "a new link: settling the reservation state with the other node"
+                        );
+                    } else {
+                        settle = None;
+                        gated = false;
+                        lu.peer_lost();
+                    }
+                }
+                let mut groups = port_groups(own, peer, &rx.borrow_and_update());
+                if gated {
+                    for g in groups.iter_mut().filter(|g| g.id == own) {
+                        if g.state == AluaState::ActiveOptimized {
+                            g.state = AluaState::Transitioning;
+                        }
+                    }
+                }
                 if groups != lu.port_groups() {
                     info!(
                         disk = %disk,
@@ -120,8 +173,29 @@ impl AluaFollower {
                     );
                     lu.set_port_groups(groups);
                 }
-                if rx.changed().await.is_err() {
-                    return;
+                tokio::select! {
+                    changed = rx.changed() => {
+                        if changed.is_err() {
+                            return;
+                        }
+                    }
+                    done = async { settle.as_mut().expect("guarded").await }, if settle.is_some() => {
+                        settle = None;
+                        match done {
+                            Ok(()) => {
+                                info!(disk = %disk, "reservation state settled with the other node");
+                                gated = false;
+                            }
+                            Err(e) if e.kind() == vsan_core::ErrorKind::NotSupported => {
+                                info!(disk = %disk, "the other node serves no SCSI unit for this disk: this node's reservation state stands alone");
+                                gated = false;
+                            }
+                            Err(e) => {
+                                warn!(disk = %disk, "reservation state not settled with the other node ({e}); trying again");
+                                settle = Some(settle_with_peer(lu.clone(), SETTLE_RETRY));
+                            }
+                        }
+                    }
                 }
             }
         }));

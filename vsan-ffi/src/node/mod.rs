@@ -30,6 +30,7 @@ pub mod metrics;
 mod metrics;
 #[cfg(feature = "mgmt")]
 mod mgmt;
+mod scsi_peer;
 mod start;
 pub mod transports;
 

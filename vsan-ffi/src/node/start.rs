@@ -705,6 +705,7 @@ fn targets_of_portals(
             let lu = logical_unit(config, d, &iqn, Arc::clone(&disk.device))?;
             let own = lu.port().relative_id;
             if let (Some(mirror), Some(peer)) = (&disk.mirror, disk.peer_id) {
+                super::scsi_peer::MirrorPeer::link(mirror, &lu, config.node.id < peer);
                 let peer = alua::relative_port(peer, Some(config.node.id));
                 let status = mirror.watch_status();
                 alua.push(AluaFollower::new(

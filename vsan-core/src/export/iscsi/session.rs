@@ -313,6 +313,7 @@ where
         pending: HashMap::new(),
         running: FuturesUnordered::new(),
         tmfs: Vec::new(),
+        tmf_peer: FuturesUnordered::new(),
         next_ttt: 1,
         text_more: None,
         text_in: None,
@@ -387,6 +388,9 @@ struct Conn<'a> {
     pending: HashMap<u32, Pending>,
     running: FuturesUnordered<Running<'a>>,
     tmfs: Vec<PendingTmf>,
+    /// The other node's part of task management functions (see
+    /// `LogicalUnit::peer_task_management`), each ending with its TMF's tag.
+    tmf_peer: FuturesUnordered<std::pin::Pin<Box<dyn std::future::Future<Output = u32> + Send>>>,
     next_ttt: u32,
     /// The rest of a Text response too long for one PDU: (TTT, the bytes left).
     text_more: Option<(u32, Bytes)>,
@@ -483,6 +487,9 @@ impl<'a> Conn<'a> {
                 biased;
                 Some((itt, resp)) = self.running.next(), if !self.running.is_empty() => {
                     self.complete(itt, resp);
+                }
+                Some(itt) = self.tmf_peer.next(), if !self.tmf_peer.is_empty() => {
+                    self.tmf_task_done(itt);
                 }
                 r = wr.write_buf(&mut self.out), if !self.out.is_empty() => {
                     if r? == 0 {
@@ -1334,8 +1341,21 @@ impl<'a> Conn<'a> {
         }
         let waiting = self.abort_tasks(|_| true, false);
         self.pending.retain(|_, p| !matches!(p, Pending::Scsi(_)));
+        let mut waiting = waiting;
         let response = match lu.task_management(nexus, lu_function) {
-            Ok(()) => COMPLETE,
+            Ok(()) => {
+                // The other node serving the unit takes the same effects first: the
+                // response waits for it (under the TMF's own tag, which no task has).
+                if let Some(peer) = lu.peer_task_management(lu_function) {
+                    let itt = t.itt;
+                    self.tmf_peer.push(Box::pin(async move {
+                        peer.await;
+                        itt
+                    }));
+                    waiting.push(itt);
+                }
+                COMPLETE
+            }
             Err(e) => {
                 warn!(peer = %self.peer, function, "task management failed: {e}");
                 REJECTED

@@ -1,0 +1,822 @@
+//! One logical unit served by two nodes (issue 20): what a node's SCSI layer tells the
+//! other's, so that reservations, COMPARE AND WRITE and resets hold across both.
+//!
+//! The node sets a [`ScsiPeer`] on the unit ([`LogicalUnit::set_peer`]); a mirror
+//! carries the calls in its link order with the writes, and hands the peer's calls to
+//! [`LogicalUnit::on_peer_message`]. One node, the *resolver* (the mirror's: the lower
+//! node id), orders what both nodes do:
+//!
+//! - **PERSISTENT RESERVE OUT** runs on the resolver, under its PR lock: a command that
+//!   came in on the other node is forwarded there (`Msg::PrOut`). The resolver applies
+//!   it to its state, then has the other node apply the same command to its own
+//!   (`Msg::PrApply`; [`PrState::apply`](super::PrState::apply) is deterministic, so
+//!   both states stay equal) and waits for it, and only then answers. Each node raises
+//!   the unit attentions and aborts the tasks of its own nexuses. With the peer away a
+//!   node applies the command alone and flushes the mirror ([`ScsiPeer::changed_alone`]),
+//!   which moves its data generation, so the next handshake makes it the sync source.
+//! - **The state after a (re)connect**: on every new link both nodes call
+//!   [`LogicalUnit::peer_connected`]; the other node asks the resolver to settle
+//!   (`Msg::Settle`) and waits. The resolver asks the other node for its state
+//!   (`Msg::PrGet`) and decides which one both keep, the way the mirror decided for
+//!   the data: the sync source's; in sync, the state of a node that kept running over
+//!   one that just started (a start is a power on for the node, not for the unit);
+//!   otherwise the resolver's. The loser installs the winner's (`Msg::PrInstall`).
+//!   A node whose state may be the older one ([`LogicalUnit::must_settle`]: it just
+//!   started, or it is the resync's target) serves nothing until the exchange is
+//!   done: the node reports its port group transitioning meanwhile, so no command is
+//!   judged by a reservation state the pair has moved past (a key preempted while
+//!   this node was away, say).
+//! - **COMPARE AND WRITE** holds the stripe locks of both nodes, always the other
+//!   node's first and the resolver's second, so two of them never wait on each other in
+//!   a cycle; a lock on the other node is taken with `Msg::Lock` and released with
+//!   `Msg::Unlock`. Writes take their own node's stripes shared and complete on both
+//!   replicas before they release them, so under both locks nothing writes the blocks.
+//! - **Resets** (LOGICAL UNIT RESET, TARGET WARM and COLD RESET, CLEAR TASK SET): their
+//!   unit attentions and aborts reach the other node's nexuses (`Msg::Reset`) before
+//!   the task management response goes out.
+//!
+//! - **SCSI-2 RESERVE / RELEASE** are ordered the same way: run on the resolver, which
+//!   tells the other node the holder after each change; the end of the holder's nexus
+//!   on either node releases it on both; resets release it on both.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use tracing::{info, warn};
+
+use super::pr::{PrError, PrOut};
+use super::sense::{Sense, SenseKey};
+use super::{LogicalUnit, Nexus, PrState, TaskFunction, sense};
+use crate::device::IoFuture;
+use crate::error::{Error, ErrorKind, Result};
+
+/// How a node's mirror link to the other node stands, as the unit needs to know it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PeerLink {
+    /// Not connected: this node acts alone.
+    Away,
+    /// Connected, the replicas in sync.
+    InSync,
+    /// Connected, and this node is the source of a resync to the other.
+    Source,
+    /// Connected, and this node is the target of a resync from the other.
+    Target,
+}
+
+/// The other node serving the same logical unit (see the module docs).
+pub trait ScsiPeer: Send + Sync {
+    /// Whether this node orders the pair's SCSI state (the mirror's resolver).
+    fn is_resolver(&self) -> bool;
+    /// The mirror link now.
+    fn link(&self) -> PeerLink;
+    /// Send `msg` to the other node's [`LogicalUnit::on_peer_message`] and return its
+    /// answer; fails when the other node cannot be reached (this node then acts alone).
+    fn call(&self, msg: Bytes) -> IoFuture<'_, Bytes>;
+    /// A reservation change was made without the other node: make it count as a
+    /// write made alone (a mirror flushes, which moves its data generation).
+    fn changed_alone(&self) -> IoFuture<'_, ()>;
+}
+
+/// What one node's unit tells the other's.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Msg {
+    /// Raise the effects of a task management function from the other node.
+    Reset(TaskFunction),
+    /// Run this PERSISTENT RESERVE OUT (from a nexus on the sender) on the resolver.
+    PrOut {
+        from: Nexus,
+        cdb: Bytes,
+        data: Bytes,
+    },
+    /// Apply this PERSISTENT RESERVE OUT, which the resolver applied.
+    PrApply {
+        from: Nexus,
+        cdb: Bytes,
+        data: Bytes,
+    },
+    /// The receiver's PR state and whether it was taken from a peer since it started.
+    PrGet,
+    /// Take this PR state (the resolver's decision after a connect).
+    PrInstall(Bytes),
+    /// The state exchange after a connect is done (the receiver keeps its own).
+    PrKept,
+    /// Take the stripes of these blocks exclusive until `Unlock` with this id.
+    Lock { id: u64, lba: u64, blocks: u64 },
+    /// Release a `Lock`.
+    Unlock { id: u64 },
+    /// Run this SCSI-2 RESERVE (`reserve`) or RELEASE from `from` on the resolver.
+    Scsi2 { reserve: bool, from: Nexus },
+    /// The SCSI-2 reservation holder now (the resolver's state, after a change).
+    Scsi2Holder(Option<Nexus>),
+    /// Settle the reservation state now (the other node saw a new link); the answer
+    /// comes once the exchange is done.
+    Settle,
+}
+
+const T_RESET: u8 = 1;
+const T_PR_OUT: u8 = 2;
+const T_PR_APPLY: u8 = 3;
+const T_PR_GET: u8 = 4;
+const T_PR_INSTALL: u8 = 5;
+const T_PR_KEPT: u8 = 6;
+const T_LOCK: u8 = 7;
+const T_UNLOCK: u8 = 8;
+const T_SCSI2: u8 = 9;
+const T_SCSI2_HOLDER: u8 = 10;
+const T_SETTLE: u8 = 11;
+
+/// Longest a stripe lock taken for the other node is held without its `Unlock`.
+const LOCK_LEASE: Duration = Duration::from_secs(30);
+
+fn put_bytes(b: &mut BytesMut, v: &[u8]) {
+    b.put_u32(v.len() as u32);
+    b.put_slice(v);
+}
+
+fn take_bytes(b: &mut Bytes) -> Result<Bytes> {
+    if b.remaining() < 4 {
+        return Err(bad("short length"));
+    }
+    let n = b.get_u32() as usize;
+    if b.remaining() < n {
+        return Err(bad("short field"));
+    }
+    Ok(b.split_to(n))
+}
+
+fn take_u64(b: &mut Bytes) -> Result<u64> {
+    if b.remaining() < 8 {
+        return Err(bad("short integer"));
+    }
+    Ok(b.get_u64())
+}
+
+fn bad(what: &str) -> Error {
+    Error::new(ErrorKind::Protocol, format!("SCSI peer message: {what}"))
+}
+
+fn function_code(f: TaskFunction) -> u8 {
+    match f {
+        TaskFunction::AbortTaskSet => 1,
+        TaskFunction::ClearTaskSet => 2,
+        TaskFunction::LunReset => 3,
+        TaskFunction::TargetWarmReset => 4,
+        TaskFunction::TargetColdReset => 5,
+        TaskFunction::ClearAca => 6,
+    }
+}
+
+fn function_of(code: u8) -> Option<TaskFunction> {
+    Some(match code {
+        1 => TaskFunction::AbortTaskSet,
+        2 => TaskFunction::ClearTaskSet,
+        3 => TaskFunction::LunReset,
+        4 => TaskFunction::TargetWarmReset,
+        5 => TaskFunction::TargetColdReset,
+        6 => TaskFunction::ClearAca,
+        _ => return None,
+    })
+}
+
+fn put_nexus(b: &mut BytesMut, n: &Nexus) {
+    put_bytes(b, n.initiator_port.as_bytes());
+    put_bytes(b, &n.transport_id);
+    b.put_u16(n.relative_target_port);
+}
+
+fn take_nexus(b: &mut Bytes) -> Result<Nexus> {
+    let port = take_bytes(b)?;
+    let initiator_port =
+        String::from_utf8(port.to_vec()).map_err(|_| bad("initiator port name not UTF-8"))?;
+    let transport_id = take_bytes(b)?;
+    if b.remaining() < 2 {
+        return Err(bad("short nexus"));
+    }
+    Ok(Nexus {
+        initiator_port,
+        transport_id,
+        relative_target_port: b.get_u16(),
+    })
+}
+
+impl Msg {
+    fn encode(&self) -> Bytes {
+        let mut b = BytesMut::new();
+        match self {
+            Msg::Reset(f) => {
+                b.put_u8(T_RESET);
+                b.put_u8(function_code(*f));
+            }
+            Msg::PrOut { from, cdb, data } | Msg::PrApply { from, cdb, data } => {
+                b.put_u8(if matches!(self, Msg::PrOut { .. }) {
+                    T_PR_OUT
+                } else {
+                    T_PR_APPLY
+                });
+                put_nexus(&mut b, from);
+                put_bytes(&mut b, cdb);
+                put_bytes(&mut b, data);
+            }
+            Msg::PrGet => b.put_u8(T_PR_GET),
+            Msg::PrInstall(state) => {
+                b.put_u8(T_PR_INSTALL);
+                put_bytes(&mut b, state);
+            }
+            Msg::PrKept => b.put_u8(T_PR_KEPT),
+            Msg::Lock { id, lba, blocks } => {
+                b.put_u8(T_LOCK);
+                b.put_u64(*id);
+                b.put_u64(*lba);
+                b.put_u64(*blocks);
+            }
+            Msg::Unlock { id } => {
+                b.put_u8(T_UNLOCK);
+                b.put_u64(*id);
+            }
+            Msg::Scsi2 { reserve, from } => {
+                b.put_u8(T_SCSI2);
+                b.put_u8(u8::from(*reserve));
+                put_nexus(&mut b, from);
+            }
+            Msg::Settle => b.put_u8(T_SETTLE),
+            Msg::Scsi2Holder(holder) => {
+                b.put_u8(T_SCSI2_HOLDER);
+                match holder {
+                    Some(n) => {
+                        b.put_u8(1);
+                        put_nexus(&mut b, n);
+                    }
+                    None => b.put_u8(0),
+                }
+            }
+        }
+        b.freeze()
+    }
+
+    fn decode(mut b: Bytes) -> Result<Msg> {
+        if b.is_empty() {
+            return Err(bad("empty"));
+        }
+        let tag = b.get_u8();
+        let m = match tag {
+            T_RESET => {
+                let code = if b.has_remaining() { b.get_u8() } else { 0 };
+                Msg::Reset(function_of(code).ok_or_else(|| bad("unknown task function"))?)
+            }
+            T_PR_OUT | T_PR_APPLY => {
+                let from = take_nexus(&mut b)?;
+                let cdb = take_bytes(&mut b)?;
+                let data = take_bytes(&mut b)?;
+                if tag == T_PR_OUT {
+                    Msg::PrOut { from, cdb, data }
+                } else {
+                    Msg::PrApply { from, cdb, data }
+                }
+            }
+            T_PR_GET => Msg::PrGet,
+            T_PR_INSTALL => Msg::PrInstall(take_bytes(&mut b)?),
+            T_PR_KEPT => Msg::PrKept,
+            T_SETTLE => Msg::Settle,
+            T_LOCK => Msg::Lock {
+                id: take_u64(&mut b)?,
+                lba: take_u64(&mut b)?,
+                blocks: take_u64(&mut b)?,
+            },
+            T_UNLOCK => Msg::Unlock {
+                id: take_u64(&mut b)?,
+            },
+            T_SCSI2 if b.has_remaining() => {
+                let reserve = b.get_u8() != 0;
+                Msg::Scsi2 {
+                    reserve,
+                    from: take_nexus(&mut b)?,
+                }
+            }
+            T_SCSI2_HOLDER if b.has_remaining() => match b.get_u8() {
+                0 => Msg::Scsi2Holder(None),
+                _ => Msg::Scsi2Holder(Some(take_nexus(&mut b)?)),
+            },
+            _ => return Err(bad("unknown message")),
+        };
+        if b.has_remaining() {
+            return Err(bad("trailing bytes"));
+        }
+        Ok(m)
+    }
+}
+
+/// A PERSISTENT RESERVE OUT's outcome on the wire: 0 good, 1 conflict, 2 check (key,
+/// ASC, ASCQ, then the INFORMATION field when the flag byte is 1).
+fn encode_pr_result(r: &std::result::Result<(), PrError>) -> Bytes {
+    let mut b = BytesMut::new();
+    match r {
+        Ok(()) => b.put_u8(0),
+        Err(PrError::Conflict) => b.put_u8(1),
+        Err(PrError::Check(s)) => {
+            b.put_u8(2);
+            b.put_u8(s.key as u8);
+            b.put_u8(s.asc);
+            b.put_u8(s.ascq);
+            match s.information {
+                Some(i) => {
+                    b.put_u8(1);
+                    b.put_u64(i);
+                }
+                None => b.put_u8(0),
+            }
+        }
+    }
+    b.freeze()
+}
+
+fn decode_pr_result(mut b: Bytes) -> Result<std::result::Result<(), PrError>> {
+    if b.is_empty() {
+        return Err(bad("empty PR result"));
+    }
+    Ok(match b.get_u8() {
+        0 => Ok(()),
+        1 => Err(PrError::Conflict),
+        2 if b.remaining() >= 4 => {
+            let key = SenseKey::from_u8(b.get_u8()).ok_or_else(|| bad("unknown sense key"))?;
+            let (asc, ascq) = (b.get_u8(), b.get_u8());
+            let information = match b.get_u8() {
+                1 => Some(take_u64(&mut b)?),
+                _ => None,
+            };
+            Err(PrError::Check(Sense {
+                key,
+                asc,
+                ascq,
+                information,
+            }))
+        }
+        _ => return Err(bad("unknown PR result")),
+    })
+}
+
+/// A stripe lock held on the other node: released (with a message) when dropped.
+pub(super) struct PeerLockGuard {
+    peer: Option<(Arc<dyn ScsiPeer>, u64)>,
+}
+
+impl Drop for PeerLockGuard {
+    fn drop(&mut self) {
+        if let Some((peer, id)) = self.peer.take() {
+            let msg = Msg::Unlock { id }.encode();
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                rt.spawn(async move {
+                    let _ = peer.call(msg).await;
+                });
+            }
+        }
+    }
+}
+
+impl LogicalUnit {
+    /// Serve this unit together with another node (see the module docs of
+    /// [`crate::scsi::peer`]).
+    pub fn set_peer(&self, peer: Arc<dyn ScsiPeer>) {
+        *self.peer.write() = Some(peer);
+    }
+
+    pub(super) fn peer(&self) -> Option<Arc<dyn ScsiPeer>> {
+        self.peer.read().clone()
+    }
+
+    /// A call from the other node's unit (what its [`ScsiPeer::call`] sent); the answer
+    /// goes back to it.
+    pub async fn on_peer_message(self: &Arc<Self>, body: Bytes) -> Result<Bytes> {
+        match Msg::decode(body)? {
+            Msg::Reset(f) => {
+                self.reset_effects(None, f);
+                info!(function = ?f, "task management function from the other node");
+                Ok(Bytes::new())
+            }
+            Msg::PrOut { from, cdb, data } => {
+                let r = match PrOut::decode(&cdb, &data) {
+                    Ok(op) => {
+                        self.apply_pr_out(&from, None, &op, Some((&cdb, &data)))
+                            .await
+                    }
+                    Err(s) => Err(PrError::Check(s)),
+                };
+                Ok(encode_pr_result(&r))
+            }
+            Msg::PrApply { from, cdb, data } => {
+                let r = match PrOut::decode(&cdb, &data) {
+                    Ok(op) => self.apply_pr_out(&from, None, &op, None).await,
+                    Err(s) => Err(PrError::Check(s)),
+                };
+                Ok(encode_pr_result(&r))
+            }
+            Msg::PrGet => {
+                let mut b = BytesMut::new();
+                b.put_u8(u8::from(self.pr_fresh.load(Ordering::Acquire)));
+                b.put_slice(&self.pr_state().encode());
+                Ok(b.freeze())
+            }
+            Msg::PrInstall(state) => {
+                let state = PrState::decode(&state).map_err(|e| {
+                    Error::with_source(ErrorKind::Protocol, "SCSI peer: PR state", e)
+                })?;
+                self.install_pr_state(state).await?;
+                self.pr_fresh.store(false, Ordering::Release);
+                info!("persistent reservation state taken from the other node");
+                Ok(Bytes::new())
+            }
+            Msg::PrKept => {
+                self.pr_fresh.store(false, Ordering::Release);
+                Ok(Bytes::new())
+            }
+            Msg::Lock { id, lba, blocks } => {
+                let (taken_tx, taken) = tokio::sync::oneshot::channel();
+                let (release, release_rx) = tokio::sync::oneshot::channel::<()>();
+                self.peer_locks.lock().insert(id, release);
+                let lu = Arc::clone(self);
+                tokio::spawn(async move {
+                    let held = lu.locks.exclusive(lba, blocks).await;
+                    if taken_tx.send(()).is_err() {
+                        return;
+                    }
+                    let _ = tokio::time::timeout(LOCK_LEASE, release_rx).await;
+                    drop(held);
+                    lu.peer_locks.lock().remove(&id);
+                });
+                taken
+                    .await
+                    .map_err(|_| Error::new(ErrorKind::Closed, "stripe lock abandoned"))?;
+                Ok(Bytes::new())
+            }
+            Msg::Unlock { id } => {
+                if let Some(release) = self.peer_locks.lock().remove(&id) {
+                    let _ = release.send(());
+                }
+                Ok(Bytes::new())
+            }
+            Msg::Scsi2 { reserve, from } => {
+                let ok = self.scsi2_resolve(&from, reserve).await.is_ok();
+                Ok(Bytes::from_static(if ok { &[0] } else { &[1] }))
+            }
+            Msg::Scsi2Holder(holder) => {
+                *self.scsi2.lock() = holder;
+                self.update_reserved();
+                Ok(Bytes::new())
+            }
+            Msg::Settle => {
+                let peer = self.peer().ok_or_else(|| bad("no peer set"))?;
+                if !peer.is_resolver() {
+                    return Err(bad("both nodes think the other orders the SCSI state"));
+                }
+                self.settle(peer.as_ref()).await?;
+                Ok(Bytes::new())
+            }
+        }
+    }
+
+    /// SCSI-2 RESERVE (`reserve`) or RELEASE from `from`: on the resolver (forwarded
+    /// there from the other node while the link is up), which then tells the other node
+    /// the holder; alone without the peer.
+    pub(super) async fn scsi2_op(
+        &self,
+        from: &Nexus,
+        reserve: bool,
+    ) -> std::result::Result<(), super::exec::Fail> {
+        if let Some(peer) = self.peer() {
+            if !peer.is_resolver() && peer.link() != PeerLink::Away {
+                let msg = Msg::Scsi2 {
+                    reserve,
+                    from: from.clone(),
+                };
+                match peer.call(msg.encode()).await {
+                    Ok(r) if r.first() == Some(&0) => return Ok(()),
+                    Ok(_) => return Err(super::exec::Fail::Conflict),
+                    Err(e) => warn!(
+                        "SCSI-2 reservation: the other node did not answer ({e}); acting alone"
+                    ),
+                }
+            }
+        }
+        self.scsi2_resolve(from, reserve).await
+    }
+
+    /// [`Self::scsi2_op`] on this node's state, then (on the resolver, with the link
+    /// up) the new holder to the other node, in the PR lock's order.
+    async fn scsi2_resolve(
+        &self,
+        from: &Nexus,
+        reserve: bool,
+    ) -> std::result::Result<(), super::exec::Fail> {
+        let _serial = self.pr_out.lock().await;
+        self.scsi2_local(from, reserve)?;
+        if let Some(peer) = self.peer() {
+            if peer.is_resolver() && peer.link() != PeerLink::Away {
+                let holder = self.scsi2.lock().clone();
+                if let Err(e) = peer.call(Msg::Scsi2Holder(holder).encode()).await {
+                    warn!("SCSI-2 reservation: the other node did not take the holder ({e})");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A nexus attached here that held the SCSI-2 reservation ended: the other node's
+    /// copy is released too (in the background).
+    pub(super) fn scsi2_released_here(&self, gone: Nexus) {
+        let Some(peer) = self.peer() else {
+            return;
+        };
+        if peer.link() == PeerLink::Away {
+            return;
+        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let msg = if peer.is_resolver() {
+            Msg::Scsi2Holder(None)
+        } else {
+            Msg::Scsi2 {
+                reserve: false,
+                from: gone,
+            }
+        };
+        rt.spawn(async move {
+            if let Err(e) = peer.call(msg.encode()).await {
+                warn!("SCSI-2 reservation: the other node did not hear of its holder's end ({e})");
+            }
+        });
+    }
+
+    /// The other node is gone: the stripe locks it held here are released (its
+    /// COMPARE AND WRITE failed or completed alone there).
+    pub fn peer_lost(&self) {
+        let held: Vec<_> = self.peer_locks.lock().drain().collect();
+        for (_, release) in held {
+            let _ = release.send(());
+        }
+    }
+
+    /// Whether this node must not serve until [`Self::peer_connected`] returned on a new
+    /// link: its reservation state may be older than the other node's, because it has
+    /// just started (the other node kept running, or both start) or it is the target
+    /// of a resync (the other node acted alone meanwhile). A node that kept running and
+    /// is in sync or the resync's source keeps its own state and serves on.
+    pub fn must_settle(&self) -> bool {
+        match self.peer() {
+            Some(peer) => self.pr_fresh.load(Ordering::Acquire) || peer.link() == PeerLink::Target,
+            None => false,
+        }
+    }
+
+    /// The mirror link to the other node was (re)established: settle which node's
+    /// reservation state both keep (see the module docs). Call it on every new link, on
+    /// both nodes; the resolver runs the exchange, the other node asks it to and waits.
+    /// An error of kind [`ErrorKind::NotSupported`] means the other node serves no
+    /// SCSI unit for this disk (this node's state is the only one).
+    pub async fn peer_connected(&self) -> Result<()> {
+        let Some(peer) = self.peer() else {
+            return Ok(());
+        };
+        if peer.is_resolver() {
+            self.settle(peer.as_ref()).await
+        } else {
+            peer.call(Msg::Settle.encode()).await.map(|_| ())
+        }
+    }
+
+    /// The resolver's exchange: ask the other node for its state, decide, install.
+    async fn settle(&self, peer: &dyn ScsiPeer) -> Result<()> {
+        let _serial = self.pr_out.lock().await;
+        let mut got = peer.call(Msg::PrGet.encode()).await?;
+        if got.is_empty() {
+            return Err(bad("empty PR state"));
+        }
+        let peer_fresh = got.get_u8() != 0;
+        let theirs = PrState::decode(&got)
+            .map_err(|e| Error::with_source(ErrorKind::Protocol, "SCSI peer: PR state", e))?;
+        let fresh = self.pr_fresh.load(Ordering::Acquire);
+        let take_theirs = match peer.link() {
+            PeerLink::Target => true,
+            PeerLink::Source => false,
+            PeerLink::InSync | PeerLink::Away => fresh && !peer_fresh,
+        };
+        if take_theirs {
+            if theirs != *self.pr.read() {
+                self.persist(&theirs)
+                    .await
+                    .map_err(|e| Error::io("save persistent reservation state", e))?;
+                *self.pr.write() = theirs;
+                self.update_reserved();
+                info!("persistent reservation state taken from the other node");
+            }
+            peer.call(Msg::PrKept.encode()).await?;
+        } else {
+            let mine = self.pr_state();
+            if mine != theirs {
+                info!("persistent reservation state sent to the other node");
+                peer.call(Msg::PrInstall(mine.encode().into()).encode())
+                    .await?;
+            } else {
+                peer.call(Msg::PrKept.encode()).await?;
+            }
+        }
+        self.pr_fresh.store(false, Ordering::Release);
+        Ok(())
+    }
+
+    /// Forward a PERSISTENT RESERVE OUT to the resolver when this node is not it and
+    /// the link is up: `Some(outcome)`, or `None` to apply it here (alone).
+    pub(super) async fn forward_pr_out(
+        &self,
+        from: &Nexus,
+        cdb: &[u8],
+        data: &[u8],
+    ) -> Option<std::result::Result<(), PrError>> {
+        let peer = self.peer()?;
+        if peer.is_resolver() || peer.link() == PeerLink::Away {
+            return None;
+        }
+        let msg = Msg::PrOut {
+            from: from.clone(),
+            cdb: Bytes::copy_from_slice(cdb),
+            data: Bytes::copy_from_slice(data),
+        };
+        match peer.call(msg.encode()).await {
+            Ok(reply) => match decode_pr_result(reply) {
+                Ok(r) => Some(r),
+                Err(e) => {
+                    warn!("PERSISTENT RESERVE OUT through the other node: {e}");
+                    Some(Err(PrError::Check(sense::INTERNAL_FAILURE)))
+                }
+            },
+            Err(e) => {
+                warn!(
+                    "PERSISTENT RESERVE OUT: the other node did not answer ({e}); applying it here alone"
+                );
+                None
+            }
+        }
+    }
+
+    /// After this node applied a PERSISTENT RESERVE OUT (holding the PR lock): the
+    /// resolver has the other node apply it too; a node without the other one makes
+    /// the change count as a write made alone.
+    pub(super) async fn replicate_pr_out(
+        &self,
+        from: &Nexus,
+        raw: Option<(&[u8], &[u8])>,
+        changed: bool,
+        outcome: &std::result::Result<(), PrError>,
+    ) {
+        let Some(peer) = self.peer() else {
+            return;
+        };
+        let mut alone = true;
+        if let (true, Some((cdb, data))) = (peer.is_resolver(), raw) {
+            if peer.link() != PeerLink::Away {
+                let msg = Msg::PrApply {
+                    from: from.clone(),
+                    cdb: Bytes::copy_from_slice(cdb),
+                    data: Bytes::copy_from_slice(data),
+                };
+                match peer.call(msg.encode()).await {
+                    Ok(reply) => {
+                        alone = false;
+                        match decode_pr_result(reply) {
+                            Ok(theirs) if theirs == *outcome => {}
+                            Ok(theirs) => warn!(
+                                "PERSISTENT RESERVE OUT ended differently on the other node ({theirs:?}, here {outcome:?})"
+                            ),
+                            Err(e) => warn!("PERSISTENT RESERVE OUT on the other node: {e}"),
+                        }
+                    }
+                    Err(e) => warn!(
+                        "PERSISTENT RESERVE OUT: the other node did not take it ({e}); kept here alone"
+                    ),
+                }
+            }
+        }
+        if alone && changed {
+            if let Err(e) = peer.changed_alone().await {
+                warn!("a reservation change made alone was not recorded in the mirror: {e}");
+            }
+        }
+    }
+
+    /// The other node's part of a task management function (see
+    /// [`LogicalUnit::task_management`]): `None` when there is none (no peer, or a
+    /// function that acts on this node only), else a future that ends once the other
+    /// node raised the function's unit attentions and aborts (or could not be reached).
+    /// The transport sends the task management response after it.
+    pub fn peer_task_management(
+        &self,
+        function: TaskFunction,
+    ) -> Option<std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + 'static>>> {
+        if matches!(
+            function,
+            TaskFunction::AbortTaskSet | TaskFunction::ClearAca
+        ) {
+            return None;
+        }
+        let peer = self.peer()?;
+        if peer.link() == PeerLink::Away {
+            return None;
+        }
+        let msg = Msg::Reset(function).encode();
+        Some(Box::pin(async move {
+            if let Err(e) = peer.call(msg).await {
+                warn!(function = ?function, "the other node did not take the task management function: {e}");
+            }
+        }))
+    }
+
+    /// Take the other node's stripes of a range exclusive, for a COMPARE AND WRITE
+    /// (nothing without a peer or with the peer away). `Err` when the peer answered
+    /// with an error (then the command fails: the other node may be writing there).
+    pub(super) async fn peer_lock(&self, lba: u64, blocks: u64) -> Result<PeerLockGuard> {
+        let none = PeerLockGuard { peer: None };
+        let Some(peer) = self.peer() else {
+            return Ok(none);
+        };
+        if peer.link() == PeerLink::Away {
+            return Ok(none);
+        }
+        let id = self.next_peer_lock.fetch_add(1, Ordering::Relaxed);
+        match peer.call(Msg::Lock { id, lba, blocks }.encode()).await {
+            Ok(_) => Ok(PeerLockGuard {
+                peer: Some((peer, id)),
+            }),
+            Err(e) if peer.link() == PeerLink::Away => {
+                // The link went while asking: the other node serves nothing now.
+                warn!("COMPARE AND WRITE: the other node went away while locking ({e})");
+                Ok(none)
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_round_trip_and_garbage_is_refused() {
+        let nexus = Nexus {
+            initiator_port: "iqn.x,i,0x1".into(),
+            transport_id: Bytes::from_static(b"tid"),
+            relative_target_port: 2,
+        };
+        for m in [
+            Msg::Reset(TaskFunction::LunReset),
+            Msg::PrOut {
+                from: nexus.clone(),
+                cdb: Bytes::from_static(&[0x5f, 0, 0, 0, 0, 0, 0, 0, 24, 0]),
+                data: Bytes::from_static(&[1; 24]),
+            },
+            Msg::PrApply {
+                from: nexus,
+                cdb: Bytes::new(),
+                data: Bytes::new(),
+            },
+            Msg::PrGet,
+            Msg::PrInstall(Bytes::from_static(b"state")),
+            Msg::PrKept,
+            Msg::Lock {
+                id: 1,
+                lba: 2,
+                blocks: 3,
+            },
+            Msg::Unlock { id: 9 },
+            Msg::Scsi2 {
+                reserve: true,
+                from: Nexus {
+                    initiator_port: "i".into(),
+                    transport_id: Bytes::new(),
+                    relative_target_port: 1,
+                },
+            },
+            Msg::Scsi2Holder(None),
+            Msg::Settle,
+        ] {
+            let enc = m.encode();
+            assert_eq!(Msg::decode(enc.clone()).unwrap(), m);
+            for cut in 0..enc.len() {
+                assert!(Msg::decode(enc.slice(..cut)).is_err(), "{m:?} cut at {cut}");
+            }
+            let mut long = enc.to_vec();
+            long.push(0);
+            assert!(Msg::decode(long.into()).is_err());
+        }
+        assert!(Msg::decode(Bytes::from_static(&[99])).is_err());
+        for r in [
+            Ok(()),
+            Err(PrError::Conflict),
+            Err(PrError::Check(sense::INTERNAL_FAILURE)),
+            Err(PrError::Check(sense::MISCOMPARE_VERIFY.with_information(7))),
+        ] {
+            assert_eq!(decode_pr_result(encode_pr_result(&r)).unwrap(), r);
+        }
+    }
+}

@@ -1,0 +1,85 @@
+//! The mirror as the SCSI layer's link to the other node (issue 20): one
+//! [`MirrorPeer`] per mirrored disk's logical unit is both the unit's
+//! [`ScsiPeer`] (its calls ride the mirror link, in order with the writes) and the
+//! mirror's [`ScsiHandler`] (the other node's calls reach the unit here).
+
+use std::sync::{Arc, Weak};
+
+use bytes::Bytes;
+use tokio::sync::watch;
+use vsan_core::device::IoFuture;
+use vsan_core::scsi::{LogicalUnit, PeerLink, ScsiPeer};
+use vsan_core::{BlockDevice, ErrorKind};
+use vsan_replica::protocol::{LinkState, SyncKind, SyncRole};
+use vsan_replica::{MirrorStatus, MirroredDisk, ScsiFuture, ScsiHandler};
+
+/// See the module docs.
+pub(super) struct MirrorPeer {
+    disk: MirroredDisk,
+    resolver: bool,
+    status: watch::Receiver<MirrorStatus>,
+    lu: Weak<LogicalUnit>,
+}
+
+impl MirrorPeer {
+    /// Link `lu` (over `disk`) with the other node's unit: sets the unit's peer and the
+    /// mirror's SCSI handler. `resolver`: this node has the lower node id.
+    pub(super) fn link(disk: &MirroredDisk, lu: &Arc<LogicalUnit>, resolver: bool) {
+        let peer = Arc::new(MirrorPeer {
+            disk: disk.clone(),
+            resolver,
+            status: disk.watch_status(),
+            lu: Arc::downgrade(lu),
+        });
+        let handler: Arc<dyn ScsiHandler> = peer.clone();
+        disk.set_scsi_handler(Arc::downgrade(&handler));
+        lu.set_peer(peer);
+    }
+}
+
+/// How the unit sees the mirror link in `status`.
+pub(super) fn peer_link(status: &MirrorStatus) -> PeerLink {
+    if status.link != LinkState::Connected {
+        return PeerLink::Away;
+    }
+    match status.last_sync_start {
+        Some(s) if status.syncing && s.kind != SyncKind::Verify => match s.role {
+            SyncRole::Source => PeerLink::Source,
+            SyncRole::Target => PeerLink::Target,
+        },
+        _ => PeerLink::InSync,
+    }
+}
+
+impl ScsiPeer for MirrorPeer {
+    fn is_resolver(&self) -> bool {
+        self.resolver
+    }
+
+    fn link(&self) -> PeerLink {
+        peer_link(&self.status.borrow())
+    }
+
+    fn call(&self, msg: Bytes) -> IoFuture<'_, Bytes> {
+        Box::pin(self.disk.scsi_call(msg))
+    }
+
+    fn changed_alone(&self) -> IoFuture<'_, ()> {
+        self.disk.flush()
+    }
+}
+
+impl ScsiHandler for MirrorPeer {
+    fn call(&self, body: Bytes) -> ScsiFuture {
+        let lu = self.lu.upgrade();
+        Box::pin(async move {
+            match lu {
+                Some(lu) => lu.on_peer_message(body).await.map_err(|e| {
+                    tracing::warn!("a SCSI call from the other node failed: {e}");
+                    e.kind()
+                }),
+                None => Err(ErrorKind::Closed),
+            }
+        })
+    }
+}
