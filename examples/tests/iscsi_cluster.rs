@@ -7,7 +7,9 @@
 //!   holder carries on through the other node with its reservation intact and fences
 //!   another registrant (PREEMPT) while the killed node is away; the killed node
 //!   restarts, resyncs, reports the same state and refuses the fenced initiator from
-//!   its first answer on; replicas byte-identical.
+//!   its first served command on (the write is retried at once on every NOT READY, so
+//!   a node that served before settling the reservation state with its peer would
+//!   accept it by its pre-kill state); replicas byte-identical.
 //! - a COMPARE AND WRITE race: initiators on both nodes race one-block CAWs on the same
 //!   blocks, each replacing the value it read with its own next one, as VMFS
 //!   heartbeats and ATS locks do; the successes must form one linear history per block
@@ -288,7 +290,19 @@ fn persistent_reservations_hold_through_a_kill_9_of_the_holders_node_and_its_res
     // registered) from its first answer that is not NOT READY.
     let n1 = start_n1(&dir1, &listen);
     let mut b1 = login(&n1, &HOST_B);
-    let a = write_block(&mut b1, 5, &pattern(0xBB, bs));
+    // Retried at once on every NOT READY, so the first command node 1 serves is this one.
+    let mut cdb = [0x2A, 0, 0, 0, 0, 0, 0, 0, 1, 0];
+    cdb[2..6].copy_from_slice(&5u32.to_be_bytes());
+    let deadline = Instant::now() + CHANGE;
+    let a = loop {
+        let a = b1
+            .command_out(&cdb, &pattern(0xBB, bs))
+            .expect("B's WRITE through the restarted node 1");
+        let waiting = a.status == CHECK && matches!(a.sense_key(), Some(0x06) | Some(0x02));
+        if !waiting || Instant::now() > deadline {
+            break a;
+        }
+    };
     assert_eq!(
         a.status, CONFLICT,
         "fenced B through the restarted node 1: {a:x?}"
