@@ -133,16 +133,25 @@ impl AluaFollower {
         };
         let (disk, lu, own, peer) = (self.disk.clone(), self.lu.clone(), self.own, self.peer);
         self.task = Some(tokio::spawn(async move {
-            let mut connected = false;
+            // The link whose reservation state is (being) settled.
+            let mut connected: Option<u64> = None;
             // The reservation state exchange of the current link, while it runs.
             let mut settle: Option<Settle> = None;
             // Whether this node's group stays transitioning until `settle` ends.
             let mut gated = false;
             loop {
-                let now_connected = rx.borrow().link == LinkState::Connected;
+                let now_connected = {
+                    let st = rx.borrow();
+                    (st.link == LinkState::Connected).then(|| st.link_epoch.unwrap_or(0))
+                };
                 if now_connected != connected {
+                    if connected.is_some() {
+                        // The link this node settled is gone (perhaps replaced by a new
+                        // one between two looks): locks held for the peer go with it.
+                        lu.peer_lost();
+                    }
                     connected = now_connected;
-                    if connected {
+                    if connected.is_some() {
                         gated = lu.must_settle();
                         settle = Some(settle_with_peer(lu.clone(), Duration::ZERO));
                         info!(
@@ -153,7 +162,6 @@ impl AluaFollower {
                     } else {
                         settle = None;
                         gated = false;
-                        lu.peer_lost();
                     }
                 }
                 let mut groups = port_groups(own, peer, &rx.borrow_and_update());

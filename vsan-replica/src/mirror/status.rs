@@ -51,6 +51,10 @@ pub struct MirrorStatus {
     pub freshness: Freshness,
     /// While unproven: since when (the disk's start).
     pub unproven_since: Option<SystemTime>,
+    /// While connected: which link this is (a number that grows with every new link),
+    /// so that a watcher that missed a drop and a reconnect between two looks still
+    /// sees a new link.
+    pub link_epoch: Option<u64>,
 }
 
 /// Whether a node can serve a mirrored disk's I/O now, as a front door reports it to
@@ -178,6 +182,7 @@ pub(super) fn status_of(ep: &Endpoint, o: Observed) -> MirrorStatus {
         local_data_lost,
         freshness,
         unproven_since: (!freshness.is_current()).then_some(started),
+        link_epoch: ep.scsi_link(),
     }
 }
 
@@ -205,6 +210,7 @@ mod tests {
             local_data_lost: 0,
             freshness: Freshness::Current(Proof::Handshake),
             unproven_since: None,
+            link_epoch: Some(1),
         }
     }
 
