@@ -277,6 +277,125 @@ mod tests {
         }
     }
 
+    /// A resolver's view of a peer that answers every exchange and counts the state
+    /// requests (`PrGet`, tag 4 of `vsan_core::scsi::peer`'s messages).
+    struct CountingPeer {
+        state_requests: std::sync::atomic::AtomicUsize,
+    }
+
+    impl vsan_core::scsi::ScsiPeer for CountingPeer {
+        fn is_resolver(&self) -> bool {
+            true
+        }
+        fn link(&self) -> vsan_core::scsi::PeerLink {
+            vsan_core::scsi::PeerLink::InSync
+        }
+        fn call(&self, msg: bytes::Bytes) -> vsan_core::device::IoFuture<'_, bytes::Bytes> {
+            Box::pin(async move {
+                if msg.first() == Some(&4) {
+                    self.state_requests
+                        .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    let mut answer = vec![0u8];
+                    answer.extend_from_slice(&vsan_core::scsi::PrState::new().encode());
+                    return Ok(answer.into());
+                }
+                Ok(bytes::Bytes::new())
+            })
+        }
+        fn changed_alone(&self) -> vsan_core::device::IoFuture<'_, ()> {
+            Box::pin(async { Ok(()) })
+        }
+    }
+
+    fn status(epoch: Option<u64>) -> MirrorStatus {
+        use vsan_replica::protocol::{Freshness, Generations, Proof};
+        MirrorStatus {
+            link: if epoch.is_some() {
+                LinkState::Connected
+            } else {
+                LinkState::Degraded
+            },
+            link_attached: epoch.is_some(),
+            link_transport: None,
+            local_detached: false,
+            diverged: false,
+            last_problem: None,
+            dirty_chunks: 0,
+            generations: Generations::default(),
+            inconsistent: false,
+            syncing: false,
+            last_sync_start: None,
+            last_sync: None,
+            quorum: None,
+            suspended: false,
+            local_data_lost: 0,
+            freshness: Freshness::Current(Proof::Handshake),
+            unproven_since: None,
+            link_epoch: epoch,
+        }
+    }
+
+    /// A link replaced between two looks of the follower (connected, then connected
+    /// again on a new link, with no status in between that shows the drop) is settled
+    /// again: the reservation state is exchanged once per link.
+    #[tokio::test]
+    async fn every_new_link_is_settled_even_when_the_drop_was_not_seen() {
+        use vsan_core::device::{Geometry, MemDevice};
+        use vsan_core::scsi::{LuConfig, LuIdentity, TargetPort};
+        let device = Arc::new(MemDevice::new(
+            Geometry::with_max_io(1 << 20, 512, 64 << 10).unwrap(),
+        ));
+        let lu = LogicalUnit::new(
+            device,
+            LuConfig {
+                identity: LuIdentity::from_disk_id("vol0"),
+                port: TargetPort {
+                    name: "iqn.2026-12.io.vsan:vol0,t,0x0001".into(),
+                    relative_id: 1,
+                    group: 1,
+                },
+                read_only: false,
+                state_file: None,
+            },
+        )
+        .unwrap();
+        let peer = Arc::new(CountingPeer {
+            state_requests: Default::default(),
+        });
+        lu.set_peer(peer.clone());
+        let (tx, rx) = watch::channel(status(Some(1)));
+        let mut follower = AluaFollower::new("vol0", lu.clone(), 1, 2, rx);
+        follower.start();
+        let settled = |n: usize| {
+            let peer = peer.clone();
+            async move {
+                for _ in 0..200 {
+                    if peer
+                        .state_requests
+                        .load(std::sync::atomic::Ordering::SeqCst)
+                        >= n
+                    {
+                        return;
+                    }
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                panic!("the link was not settled {n} times");
+            }
+        };
+        settled(1).await;
+        tx.send_replace(status(Some(2)));
+        settled(2).await;
+        // The same link looked at again: nothing to settle.
+        tx.send_replace(status(Some(2)));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(
+            peer.state_requests
+                .load(std::sync::atomic::Ordering::SeqCst),
+            2
+        );
+        follower.stop();
+    }
+
     #[test]
     fn states_map_to_alua() {
         assert_eq!(alua_state(Serving::Ready), AluaState::ActiveOptimized);
