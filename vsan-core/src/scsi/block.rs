@@ -330,22 +330,22 @@ impl LogicalUnit {
         let flags = if fua { IoFlags::FUA } else { IoFlags::empty() };
         // Both nodes' stripes when the unit has a peer: the other node's first, the
         // resolver's second (peer.rs).
-        let resolver = self.peer().is_some_and(|p| p.is_resolver());
-        let early = if resolver {
-            Some(self.peer_lock(lba, blocks).await.map_err(|e| {
+        let peer_lock = || async {
+            self.peer_lock(lba, blocks).await.map_err(|e| {
                 tracing::warn!("COMPARE AND WRITE: the other node's lock: {e}");
                 Fail::Check(sense::INTERNAL_FAILURE)
-            })?)
+            })
+        };
+        let resolver = self.peer().is_some_and(|p| p.is_resolver());
+        let early = if resolver {
+            Some(peer_lock().await?)
         } else {
             None
         };
         let _held = self.locks.exclusive(lba, blocks).await;
         let _peer = match early {
             Some(g) => g,
-            None => self.peer_lock(lba, blocks).await.map_err(|e| {
-                tracing::warn!("COMPARE AND WRITE: the other node's lock: {e}");
-                Fail::Check(sense::INTERNAL_FAILURE)
-            })?,
+            None => peer_lock().await?,
         };
         let current = self
             .device

@@ -354,9 +354,10 @@ impl LogicalUnit {
                 }
             }
         }
-        if raw.is_some() && (fx.changed || !fx.unit_attentions.is_empty() || !fx.aborts.is_empty())
+        if let Some((cdb, data)) = raw
+            && (fx.changed || !fx.unit_attentions.is_empty() || !fx.aborts.is_empty())
         {
-            self.replicate_pr_out(from, raw, fx.changed, &Ok(())).await;
+            self.replicate_pr_out(from, cdb, data, fx.changed).await;
         }
         Ok(())
     }

@@ -665,36 +665,34 @@ impl LogicalUnit {
     pub(super) async fn replicate_pr_out(
         &self,
         from: &Nexus,
-        raw: Option<(&[u8], &[u8])>,
+        cdb: &[u8],
+        data: &[u8],
         changed: bool,
-        outcome: &std::result::Result<(), PrError>,
     ) {
         let Some(peer) = self.peer() else {
             return;
         };
         let mut alone = true;
-        if let (true, Some((cdb, data))) = (peer.is_resolver(), raw) {
-            if peer.link() != PeerLink::Away {
-                let msg = Msg::PrApply {
-                    from: from.clone(),
-                    cdb: Bytes::copy_from_slice(cdb),
-                    data: Bytes::copy_from_slice(data),
-                };
-                match peer.call(msg.encode()).await {
-                    Ok(reply) => {
-                        alone = false;
-                        match decode_pr_result(reply) {
-                            Ok(theirs) if theirs == *outcome => {}
-                            Ok(theirs) => warn!(
-                                "PERSISTENT RESERVE OUT ended differently on the other node ({theirs:?}, here {outcome:?})"
-                            ),
-                            Err(e) => warn!("PERSISTENT RESERVE OUT on the other node: {e}"),
-                        }
+        if peer.is_resolver() && peer.link() != PeerLink::Away {
+            let msg = Msg::PrApply {
+                from: from.clone(),
+                cdb: Bytes::copy_from_slice(cdb),
+                data: Bytes::copy_from_slice(data),
+            };
+            match peer.call(msg.encode()).await {
+                Ok(reply) => {
+                    alone = false;
+                    match decode_pr_result(reply) {
+                        Ok(Ok(())) => {}
+                        Ok(theirs) => warn!(
+                            "PERSISTENT RESERVE OUT ended differently on the other node ({theirs:?}; it succeeded here)"
+                        ),
+                        Err(e) => warn!("PERSISTENT RESERVE OUT on the other node: {e}"),
                     }
-                    Err(e) => warn!(
-                        "PERSISTENT RESERVE OUT: the other node did not take it ({e}); kept here alone"
-                    ),
                 }
+                Err(e) => warn!(
+                    "PERSISTENT RESERVE OUT: the other node did not take it ({e}); kept here alone"
+                ),
             }
         }
         if alone && changed {

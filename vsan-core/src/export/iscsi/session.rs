@@ -1339,9 +1339,8 @@ impl<'a> Conn<'a> {
             self.send_tmf(t.itt, NO_LUN);
             return;
         }
-        let waiting = self.abort_tasks(|_| true, false);
+        let mut waiting = self.abort_tasks(|_| true, false);
         self.pending.retain(|_, p| !matches!(p, Pending::Scsi(_)));
-        let mut waiting = waiting;
         let response = match lu.task_management(nexus, lu_function) {
             Ok(()) => {
                 // The other node serving the unit takes the same effects first: the
