@@ -145,10 +145,83 @@ fn replay() {
         Some(s) => (s, true),
         None => (1, false),
     };
-    match sim::run_with(seed, Sabotage::None, print) {
+    let r = if std::env::var_os("SIM_SCSI").is_some() {
+        sim::run_scsi(seed, print)
+    } else {
+        sim::run_with(seed, Sabotage::None, print)
+    };
+    match r {
         Ok(o) => println!("seed {seed} passed: {o:?}"),
         Err(f) => panic!("{f}"),
     }
+}
+
+/// SCSI seeds run by default.
+const DEFAULT_SCSI_SEEDS: u64 = 2_000;
+
+/// The SCSI simulation (`sim::scsi`): seeds `SIM_SEED_BASE..+SIM_SCSI_SEEDS` (default
+/// 0..2000).
+fn scsi_seeds() {
+    let started = Instant::now();
+    let base = env_u64("SIM_SEED_BASE").unwrap_or(0);
+    let count = env_u64("SIM_SCSI_SEEDS").unwrap_or(DEFAULT_SCSI_SEEDS);
+    let next = AtomicU64::new(base);
+    let end = base + count;
+    let totals = Mutex::new((Totals::default(), sim::scsi::Stats::default()));
+    let failures = Mutex::new(Vec::new());
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        for _ in 0..threads() {
+            s.spawn(|| {
+                while !stop.load(Ordering::Relaxed) {
+                    let seed = next.fetch_add(1, Ordering::Relaxed);
+                    if seed >= end {
+                        break;
+                    }
+                    match sim::run_scsi(seed, false) {
+                        Ok(o) => {
+                            let mut t = totals.lock().unwrap();
+                            t.0.add(&o);
+                            t.1.caw_won += o.scsi.caw_won;
+                            t.1.caw_miscompared += o.scsi.caw_miscompared;
+                            t.1.conflicts += o.scsi.conflicts;
+                            t.1.pr_good += o.scsi.pr_good;
+                        }
+                        Err(f) => {
+                            stop.store(true, Ordering::Relaxed);
+                            failures.lock().unwrap().push(f);
+                        }
+                    }
+                }
+            });
+        }
+    });
+    let (totals, stats) = totals.into_inner().unwrap();
+    let failures = failures.into_inner().unwrap();
+    println!(
+        "simulation: {} SCSI seeds passed (seeds {base}..{end}) in {:.1} s: {} writes ({} \
+         acknowledged), {} reads checked, {} faults, {} COMPARE AND WRITEs won, {} \
+         miscompared, {} reservation conflicts, {} PR OUTs acknowledged",
+        totals.runs,
+        started.elapsed().as_secs_f64(),
+        totals.writes,
+        totals.writes_ok,
+        totals.reads,
+        totals.faults,
+        stats.caw_won,
+        stats.caw_miscompared,
+        stats.conflicts,
+        stats.pr_good
+    );
+    for f in &failures {
+        println!("{f}");
+    }
+    assert!(failures.is_empty(), "{}", report(&failures));
+    assert!(totals.runs > 0, "no seed ran");
+    assert!(
+        stats.caw_won > 0 && stats.caw_miscompared > 0 && stats.conflicts > 0 && stats.pr_good > 0,
+        "the SCSI runs did not exercise what they check: {stats:?}"
+    );
 }
 
 /// Seeds that catch a defect, with the patch in `proptests/sabotage/` that puts the
@@ -198,8 +271,9 @@ fn a_lying_disk_is_caught() {
 }
 
 /// The parts of this binary, by name.
-const PARTS: [(&str, fn()); 4] = [
+const PARTS: [(&str, fn()); 5] = [
     ("seeds", seeds),
+    ("scsi_seeds", scsi_seeds),
     ("replay", replay),
     ("regressions", regressions),
     ("a_lying_disk_is_caught", a_lying_disk_is_caught),

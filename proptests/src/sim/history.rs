@@ -26,7 +26,9 @@
 //! write usually survives on the other node. The check does not demand it.)
 //!
 //! Failed writes may have landed on one replica, so they stay allowed until superseded,
-//! like any other; they never supersede anything.
+//! like any other; they never supersede anything. Writes refused before they could
+//! change anything (a reservation conflict, a unit attention, a miscompare: the SCSI
+//! runs) are never allowed.
 
 use std::time::Duration;
 
@@ -102,6 +104,9 @@ pub struct Write {
     /// acknowledged before they met again: the number of the connection it came after
     /// (for the quorum check).
     pub apart: Option<u64>,
+    /// Refused before it could change anything (a reservation conflict, a unit
+    /// attention, a COMPARE AND WRITE's miscompare): no read may ever return it.
+    pub refused: bool,
 }
 
 /// One flush a client submitted.
@@ -142,6 +147,7 @@ impl History {
             link: None,
             durable: Some(Duration::ZERO),
             apart: None,
+            refused: false,
         };
         History {
             writes: vec![initial],
@@ -176,6 +182,7 @@ impl History {
             link: None,
             durable: None,
             apart: None,
+            refused: false,
         });
         for s in sectors.0..sectors.0 + sectors.1 {
             self.by_sector[s as usize].push(i);
@@ -205,6 +212,25 @@ impl History {
                 self.not_durable.push(i);
             }
         }
+    }
+
+    /// A write was refused before it could change anything (see [`Write::refused`]).
+    pub fn write_refused(&mut self, i: usize, now: Duration) {
+        let w = &mut self.writes[i];
+        w.end = Some(now);
+        w.ok = false;
+        w.refused = true;
+    }
+
+    /// When the write whose data is value `v` ended (`None`: still in flight, or no such
+    /// write; the initial zeroes ended at time 0).
+    pub fn end_of(&self, v: u64) -> Option<Duration> {
+        self.writes.iter().find(|w| w.id == v).and_then(|w| w.end)
+    }
+
+    /// Whether a power cut happened between `from` and `to`.
+    pub fn cut_between(&self, from: Duration, to: Duration) -> bool {
+        self.cuts.iter().any(|c| *c >= from && *c <= to)
     }
 
     /// A node crashed: its writes in flight end now (they may or may not have landed).
@@ -277,7 +303,7 @@ impl History {
         }
         let ok = list.iter().any(|&i| {
             let w = &self.writes[i];
-            w.value == v && w.submit < rc.max(Duration::from_nanos(1)) && {
+            w.value == v && !w.refused && w.submit < rc.max(Duration::from_nanos(1)) && {
                 match (w.end, floor) {
                     (_, None) => true,
                     (None, Some(_)) => true,

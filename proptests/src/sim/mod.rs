@@ -67,6 +67,10 @@
 //!
 //! A run is a pure function of its seed: [`run`] returns the failure with the seed, and
 //! `SIM_SEED=<seed>` replays one with a trace (see TESTING.md).
+//!
+//! [`run_scsi`] runs the same harness with each node's SCSI logical unit in front of
+//! its endpoint and initiators on both nodes (persistent reservations, COMPARE AND
+//! WRITE); [`scsi`] says what it adds and checks.
 
 pub mod history;
 
@@ -85,7 +89,7 @@ use vsan_core::{BlockDevice, FaultyDevice, Geometry, IoFlags, MemDevice, PowerCu
 use vsan_replica::meta::{self, Layout, MetaParams};
 use vsan_replica::protocol::{
     Config, DiskId, Endpoint, Event, LinkState, LocalIo, LocalOpId, LocalResult, QuorumPolicy,
-    RequestId, ResyncConfig, ResyncRate, SplitBrainPolicy, WritePayload,
+    RequestId, ResyncConfig, ResyncRate, SplitBrainPolicy, SyncRole, WritePayload,
 };
 
 /// Add a line to the trace, formatting it only when tracing.
@@ -97,6 +101,8 @@ macro_rules! tr {
         }
     };
 }
+
+pub mod scsi;
 
 use history::{History, SECTOR, decode_sector, sector_bytes};
 
@@ -146,6 +152,8 @@ pub struct Outcome {
     pub sim_time: Duration,
     /// Events processed.
     pub events: u64,
+    /// What the SCSI initiators did (SCSI runs).
+    pub scsi: scsi::Stats,
 }
 
 /// A failed run: the seed that reproduces it, what broke, and the end of the trace (when
@@ -183,7 +191,15 @@ pub fn run(seed: u64) -> Result<Outcome, Failure> {
 /// Run the simulation for `seed` with a deliberate defect, optionally tracing (the trace
 /// is returned with a failure, and printed as it goes when `trace` is on).
 pub fn run_with(seed: u64, sabotage: Sabotage, trace: bool) -> Result<Outcome, Failure> {
-    run_sim(Sim::new(seed, sabotage, trace), seed)
+    run_sim(Sim::new(seed, sabotage, trace, false), seed)
+}
+
+/// Run the SCSI simulation for `seed` (see [`scsi`]): initiators on both nodes through
+/// each node's logical unit, with persistent reservations and COMPARE AND WRITE, and a
+/// witness in every run (both nodes serve writes). Seeds here are other scenarios than
+/// [`run`]'s.
+pub fn run_scsi(seed: u64, trace: bool) -> Result<Outcome, Failure> {
+    run_sim(Sim::new(seed, Sabotage::None, trace, true), seed)
 }
 
 fn run_sim(mut sim: Sim, seed: u64) -> Result<Outcome, Failure> {
@@ -195,6 +211,7 @@ fn run_sim(mut sim: Sim, seed: u64) -> Result<Outcome, Failure> {
             faults: sim.faults,
             sim_time: sim.t,
             events: sim.events,
+            scsi: sim.world.as_ref().map(|w| w.stats).unwrap_or_default(),
         }),
         Err(what) => Err(Failure {
             seed,
@@ -251,6 +268,8 @@ enum Ev {
     Timer {
         node: usize,
         inc: u64,
+        /// The deadline it was armed for.
+        at: Instant,
     },
     Client {
         node: usize,
@@ -281,6 +300,12 @@ enum Ev {
     },
     EndPartition,
     Heal,
+    /// Try node `node`'s reservation state exchange of link `epoch` again.
+    ScsiSettle {
+        node: usize,
+        inc: u64,
+        epoch: u64,
+    },
 }
 
 /// What a client request was.
@@ -313,6 +338,10 @@ struct Node {
     /// Restarted, and not connected to the peer since: the window in which its replica
     /// is not yet proven current (the sim's own knowledge, not the endpoint's claim).
     restarted_unlinked: bool,
+    /// The logical unit (SCSI runs).
+    unit: Option<scsi::Unit>,
+    /// Requests the unit made, by the endpoint's id.
+    lu_requests: HashMap<RequestId, scsi::Reply>,
 }
 
 struct Link {
@@ -359,6 +388,9 @@ struct Sim {
     tracing: bool,
     print: bool,
     trace: VecDeque<String>,
+    /// The SCSI side (SCSI runs).
+    world: Option<scsi::World>,
+    exec: scsi::Exec,
 }
 
 fn disk_id() -> DiskId {
@@ -414,6 +446,8 @@ fn new_node(id: u32) -> Node {
         witness_at: Duration::ZERO,
         timer: None,
         restarted_unlinked: false,
+        unit: None,
+        lu_requests: HashMap::new(),
     }
 }
 
@@ -422,13 +456,29 @@ fn ms(rng: &mut SmallRng, lo: u64, hi: u64) -> Duration {
 }
 
 impl Sim {
-    fn new(seed: u64, sabotage: Sabotage, print: bool) -> Sim {
+    fn new(seed: u64, sabotage: Sabotage, print: bool, scsi: bool) -> Sim {
         let mut rng = SmallRng::seed_from_u64(seed);
-        let witness = match rng.random_range(0..4) {
+        let mut witness = match rng.random_range(0..4) {
             0 | 1 => None,
             2 => Some(QuorumPolicy::IoError),
             _ => Some(QuorumPolicy::Suspend),
         };
+        // SCSI runs serve writes through both nodes: a witness decides who goes on alone.
+        let world = scsi.then(|| {
+            let mut own = SmallRng::seed_from_u64(seed ^ 0x5c51_0000_0000_0020);
+            if witness.is_none() {
+                witness = Some(if own.random_bool(0.5) {
+                    QuorumPolicy::IoError
+                } else {
+                    QuorumPolicy::Suspend
+                });
+            }
+            scsi::World {
+                aptpl: own.random_bool(0.5),
+                known: vec![history::ZERO; SECTORS as usize],
+                ..scsi::World::default()
+            }
+        });
         let workload = ms(&mut rng, 500, 5000);
         let mut faults = Vec::new();
         let n = rng.random_range(0..=5);
@@ -491,6 +541,8 @@ impl Sim {
             tracing: print,
             print,
             trace: VecDeque::new(),
+            world,
+            exec: scsi::Exec::default(),
         }
     }
 
@@ -521,6 +573,9 @@ impl Sim {
             self.start_node(n)?;
             self.at(Duration::from_micros(1), Ev::Client { node: n });
         }
+        if self.world.is_some() {
+            self.scsi_step()?;
+        }
         self.dial_later();
         for (at, f) in self.plan.faults.clone() {
             self.at(at, Ev::Fault(f));
@@ -547,6 +602,9 @@ impl Sim {
                 tr!(self, format!("event {ev:?}; {}", self.describe()));
             }
             self.handle(ev)?;
+            if self.world.is_some() {
+                self.scsi_step()?;
+            }
             if self.healing {
                 let deadline = *settle_deadline.get_or_insert(self.t + SETTLE_LIMIT);
                 if self.converged() {
@@ -591,14 +649,40 @@ impl Sim {
             "link epoch {} open {:?} partitioned {}",
             self.link.epoch, self.link.open, self.link.partitioned
         );
+        if let Some(w) = self.world.as_ref() {
+            for (k, n) in self.nodes.iter().enumerate() {
+                let _ = write!(
+                    s,
+                    "; node {} SCSI: {} commands, {} tasks, {} unit requests{}",
+                    n.id,
+                    w.cmds[k].len(),
+                    self.exec.count(k),
+                    n.lu_requests.len(),
+                    n.unit
+                        .as_ref()
+                        .map_or(" (no unit)".to_string(), |u| format!(
+                            ", link {:?} settled {} gated {}",
+                            u.epoch, u.settled, u.gated
+                        ))
+                );
+            }
+        }
         s
     }
 
     fn converged(&self) -> bool {
         self.link.open == [true, true]
+            && self
+                .world
+                .as_ref()
+                .is_none_or(|w| w.cmds.iter().all(|c| c.is_empty()))
+            && (0..2).all(|n| self.world.is_none() || self.exec.count(n) == 0)
             && self.nodes.iter().all(|n| {
                 n.requests.is_empty()
                     && n.local.is_empty()
+                    && n.lu_requests.is_empty()
+                    && (self.world.is_none()
+                        || n.unit.as_ref().is_some_and(|u| u.settled && !u.gated))
                     && n.ep.as_ref().is_some_and(|ep| {
                         ep.state() == LinkState::Connected
                             && ep.sync_progress(self.now()).is_none()
@@ -631,6 +715,9 @@ impl Sim {
             .map_err(|e| format!("final image: {e}"))?;
         if self.plan.witness.is_some() {
             self.hist.check_exclusive()?;
+        }
+        if self.world.is_some() {
+            self.scsi_final_checks()?;
         }
         tr!(self, "converged; replicas identical; checks passed".into());
         Ok(())
@@ -665,6 +752,10 @@ impl Sim {
         node.inc += 1;
         node.ep = Some(Endpoint::new(cfg, loaded, self.base + self.t));
         node.timer = None;
+        if let Some(w) = self.world.as_mut() {
+            node.unit = Some(scsi::Unit::start(id, SIZE, &w.stores[n]));
+            w.model.node_start(self.t);
+        }
         tr!(
             self,
             format!(
@@ -703,6 +794,7 @@ impl Sim {
             self,
             format!("node {id} loses power ({cut:?}); restarts in {restart:?}")
         );
+        self.scsi_crash(n)?;
         let node = &mut self.nodes[n];
         node.ep = None;
         node.inc += 1;
@@ -850,13 +942,24 @@ impl Sim {
             .saturating_duration_since(self.now())
             .max(Duration::from_micros(1));
         let inc = self.nodes[n].inc;
-        self.at(after, Ev::Timer { node: n, inc });
+        self.at(
+            after,
+            Ev::Timer {
+                node: n,
+                inc,
+                at: deadline,
+            },
+        );
     }
 
     fn on_event(&mut self, n: usize, e: Event) -> Result<(), String> {
         let id = self.nodes[n].id;
         match e {
             Event::Completed { request, result } => {
+                if let Some(reply) = self.nodes[n].lu_requests.remove(&request) {
+                    let _ = reply.send(result);
+                    return Ok(());
+                }
                 let Some(req) = self.nodes[n].requests.remove(&request) else {
                     return Err(format!(
                         "node {id}: a completion for unknown request {request:?}"
@@ -934,6 +1037,40 @@ impl Sim {
                 self.nodes[n].witness_gen += 1;
                 let d = self.witness_delay(n);
                 self.at(d, Ev::Release { node: n });
+            }
+            Event::ScsiRequest {
+                epoch,
+                id: call,
+                body,
+            } => {
+                tr!(
+                    self,
+                    format!("node {id}: SCSI call {call} from the other node")
+                );
+                match self.nodes[n].unit.as_ref() {
+                    Some(u) => {
+                        let lu = u.lu.clone();
+                        self.exec.spawn(n, async move {
+                            scsi::Out::Reply {
+                                node: n,
+                                epoch,
+                                id: call,
+                                result: lu.on_peer_message(body).await.map_err(|e| e.kind()),
+                            }
+                        });
+                    }
+                    None => {
+                        let now = self.now();
+                        if let Some(ep) = self.nodes[n].ep.as_mut() {
+                            ep.reply_scsi(
+                                now,
+                                epoch,
+                                call,
+                                Err(vsan_core::ErrorKind::NotSupported),
+                            );
+                        }
+                    }
+                }
             }
             other => tr!(self, format!("node {id}: {other:?}")),
         }
@@ -1080,8 +1217,15 @@ impl Sim {
                 }
                 self.pump(node)?;
             }
-            Ev::Timer { node, inc } => {
+            Ev::Timer { node, inc, at } => {
                 if inc != self.nodes[node].inc {
+                    return Ok(());
+                }
+                // A timer armed for a deadline since replaced is stale. (Only SCSI runs
+                // skip it: there the units pump the endpoints often, and each stale
+                // timer would re-arm one more; the plain runs keep their old scenarios,
+                // which the kept regression seeds depend on.)
+                if self.world.is_some() && self.nodes[node].timer != Some(at) {
                     return Ok(());
                 }
                 self.nodes[node].timer = None;
@@ -1170,6 +1314,15 @@ impl Sim {
             Ev::EndWitnessCut { node } => self.nodes[node].witness_cut = false,
             Ev::EndPartition => self.heal_partition()?,
             Ev::Heal => self.heal()?,
+            Ev::ScsiSettle { node, inc, epoch } => {
+                if inc == self.nodes[node].inc
+                    && let Some(u) = self.nodes[node].unit.as_ref()
+                    && u.epoch == Some(epoch)
+                    && !u.settled
+                {
+                    self.spawn_settle(node, epoch);
+                }
+            }
         }
         Ok(())
     }
@@ -1343,6 +1496,9 @@ impl Sim {
         }
         let next = Duration::from_micros(self.rng.random_range(1..=3000));
         self.at(next, Ev::Client { node: n });
+        if self.world.is_some() {
+            return self.scsi_client(n);
+        }
         // Without a witness, node 2's client only reads, and only in the window between
         // a restart and its first handshake: a second writer would make split brains
         // only an operator resolves, and a node that lost its peer while running serves

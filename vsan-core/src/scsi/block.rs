@@ -333,7 +333,9 @@ impl LogicalUnit {
         let peer_lock = || async {
             self.peer_lock(lba, blocks).await.map_err(|e| {
                 tracing::warn!("COMPARE AND WRITE: the other node's lock: {e}");
-                Fail::Check(sense::INTERNAL_FAILURE)
+                // The link changed (NOT READY, retry), the mirror refuses to go on
+                // alone (no quorum: NOT READY), or the other node failed the lock.
+                Fail::Check(sense::from_error(e.kind(), Access::Write))
             })
         };
         let resolver = self.peer().is_some_and(|p| p.is_resolver());
@@ -343,7 +345,7 @@ impl LogicalUnit {
             None
         };
         let _held = self.locks.exclusive(lba, blocks).await;
-        let _peer = match early {
+        let peer_held = match early {
             Some(g) => g,
             None => peer_lock().await?,
         };
@@ -357,6 +359,12 @@ impl LogicalUnit {
             .write(off, new, flags)
             .await
             .map_err(|e| dev_err(e, Access::Write))?;
+        if !peer_held.still_held() {
+            tracing::warn!(
+                "COMPARE AND WRITE: the link to the other node changed while it ran; reported as failed (its write may have landed)"
+            );
+            return Err(Fail::Check(sense::INTERNAL_FAILURE));
+        }
         Ok(good())
     }
 

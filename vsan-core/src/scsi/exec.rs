@@ -284,10 +284,17 @@ impl LogicalUnit {
             return Err(Fail::Conflict);
         }
         let outcome = match self.forward_pr_out(&nexus.nexus, cdb, data).await {
-            Some(r) => r,
-            None => {
-                self.apply_pr_out(&nexus.nexus, Some(nexus.id), &op, Some((cdb, data)))
-                    .await
+            super::peer::Forwarded::Done(r) => r,
+            super::peer::Forwarded::Here { lost } => {
+                let r = self
+                    .apply_pr_out(&nexus.nexus, Some(nexus.id), &op, Some((cdb, data, 0)))
+                    .await;
+                match r {
+                    // The resolver may have applied it before the link went: a refusal
+                    // here does not say it did not happen.
+                    Err(_) if lost => Err(PrError::Check(sense::INTERNAL_FAILURE)),
+                    r => r,
+                }
             }
         };
         match outcome {
@@ -315,19 +322,33 @@ impl LogicalUnit {
     }
 
     /// Apply a PERSISTENT RESERVE OUT from `from` (`local`: its nexus id when it is
-    /// attached here) under the PR lock; `raw` (its CDB and data-out) when this node
-    /// must replicate it: to the other node when this is the resolver, or as a change
-    /// made alone otherwise (see `peer.rs`).
+    /// attached here) under the PR lock; `raw` (its CDB, data-out, and the forwarding
+    /// node's token) when this node must replicate it: to the other node when this is
+    /// the resolver, or as a change made alone otherwise (see `peer.rs`). A change made
+    /// alone is committed through the mirror first ([`Self::commit_alone`]): refused
+    /// there, the command fails and nothing changes.
     pub(super) async fn apply_pr_out(
         &self,
         from: &super::Nexus,
         local: Option<u64>,
         op: &PrOut,
-        raw: Option<(&[u8], &[u8])>,
+        raw: Option<(&[u8], &[u8], u64)>,
     ) -> Result<(), PrError> {
         let _serial = self.pr_out.lock().await;
         let mut next = self.pr.read().clone();
         let fx = next.apply(from, op, self.ptpl_capable())?;
+        let alone = raw.and_then(|_| self.pr_out_alone());
+        if let Some(peer) = &alone
+            && fx.changed
+        {
+            self.commit_alone(peer.as_ref()).await?;
+            if peer.link() != super::PeerLink::Away {
+                // The link is up (again): the flush went to both nodes, so nothing
+                // moved the generation, and a change kept here alone would lose the
+                // next exchange. Nothing changed; the initiator tries again.
+                return Err(PrError::Check(sense::NOT_READY_TRANSITION));
+            }
+        }
         if fx.changed {
             if let Err(e) = self.persist(&next).await {
                 tracing::warn!("persistent reservation state not saved: {e}");
@@ -354,10 +375,11 @@ impl LogicalUnit {
                 }
             }
         }
-        if let Some((cdb, data)) = raw
+        if let Some(raw) = raw
+            && alone.is_none()
             && (fx.changed || !fx.unit_attentions.is_empty() || !fx.aborts.is_empty())
         {
-            self.replicate_pr_out(from, cdb, data, fx.changed).await;
+            self.replicate_pr_out(from, raw, fx.changed).await?;
         }
         Ok(())
     }

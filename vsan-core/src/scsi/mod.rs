@@ -64,7 +64,7 @@ pub mod sense;
 #[cfg(test)]
 mod tests;
 
-pub use peer::{PeerLink, ScsiPeer};
+pub use peer::{BackgroundTask, PeerLink, ScsiPeer};
 pub use pr::{PrState, PrType, Registration, Reservation};
 pub use sense::{Sense, SenseKey};
 
@@ -241,10 +241,14 @@ pub struct LogicalUnit {
     own_state: AtomicU8,
     /// The other node serving this unit, if any (peer.rs).
     peer: RwLock<Option<Arc<dyn ScsiPeer>>>,
-    /// Stripe locks held for the other node's COMPARE AND WRITE, by its lock id.
-    peer_locks: Mutex<std::collections::HashMap<u64, tokio::sync::oneshot::Sender<()>>>,
-    /// The id of the next stripe lock this node takes on the other.
+    /// Stripe locks held for the other node's COMPARE AND WRITE, by its lock id; `None`:
+    /// its `Unlock` came before its `Lock` was seen (peer.rs).
+    peer_locks: Mutex<std::collections::HashMap<u64, Option<tokio::sync::oneshot::Sender<()>>>>,
+    /// The id of the next stripe lock this node takes on the other (and of the next
+    /// PERSISTENT RESERVE OUT it forwards there).
     next_peer_lock: AtomicU64,
+    /// This node's forwarded PERSISTENT RESERVE OUTs whose `PrApply` came back (peer.rs).
+    applied_forwards: Mutex<std::collections::HashSet<u64>>,
     /// No reservation state was settled with the other node since this unit was made.
     pr_fresh: AtomicBool,
 }
@@ -458,6 +462,7 @@ impl LogicalUnit {
             peer: RwLock::new(None),
             peer_locks: Mutex::new(std::collections::HashMap::new()),
             next_peer_lock: AtomicU64::new(1),
+            applied_forwards: Mutex::new(std::collections::HashSet::new()),
             pr_fresh: AtomicBool::new(true),
             config,
         }))

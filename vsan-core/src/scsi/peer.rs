@@ -12,15 +12,24 @@
 //!   (`Msg::PrApply`; [`PrState::apply`](super::PrState::apply) is deterministic, so
 //!   both states stay equal) and waits for it, and only then answers. Each node raises
 //!   the unit attentions and aborts the tasks of its own nexuses. With the peer away a
-//!   node applies the command alone and flushes the mirror ([`ScsiPeer::changed_alone`]),
-//!   which moves its data generation, so the next handshake makes it the sync source.
+//!   node first flushes the mirror alone ([`ScsiPeer::changed_alone`]: with a witness it
+//!   needs quorum, and it moves the data generation, so the next handshake makes this
+//!   node the sync source) and only then applies the command; refused there, or with
+//!   the link back meanwhile (the flush then moved nothing), the command fails and
+//!   nothing changed. A resolver whose `PrApply` got no answer does the same after
+//!   the fact; failing there, the command ends with an unknown outcome (HARDWARE
+//!   ERROR). A forwarded command carries a token: when its `PrApply` arrived before
+//!   the link went, the forwarder knows it was applied on both and does not apply it
+//!   again.
 //! - **The state after a (re)connect**: on every new link both nodes call
 //!   [`LogicalUnit::peer_connected`]; the other node asks the resolver to settle
 //!   (`Msg::Settle`) and waits. The resolver asks the other node for its state
 //!   (`Msg::PrGet`) and decides which one both keep, the way the mirror decided for
-//!   the data: the sync source's; in sync, the state of a node that kept running over
-//!   one that just started (a start is a power on for the node, not for the unit);
-//!   otherwise the resolver's. The loser installs the winner's (`Msg::PrInstall`).
+//!   the data, by what the link's handshake decided
+//!   (vsan-replica's `Endpoint::link_role` on a mirror, even when the resync it
+//!   started is over): the sync source's; in
+//!   sync, the state of a node that kept running over one that just started (a start
+//!   is a power on for the node, not for the unit); otherwise the resolver's. The loser installs the winner's (`Msg::PrInstall`).
 //!   A node whose state may be the older one ([`LogicalUnit::must_settle`]: it just
 //!   started, or it is the resync's target) serves nothing until the exchange is
 //!   done: the node reports its port group transitioning meanwhile, so no command is
@@ -29,8 +38,15 @@
 //! - **COMPARE AND WRITE** holds the stripe locks of both nodes, always the other
 //!   node's first and the resolver's second, so two of them never wait on each other in
 //!   a cycle; a lock on the other node is taken with `Msg::Lock` and released with
-//!   `Msg::Unlock`. Writes take their own node's stripes shared and complete on both
+//!   `Msg::Unlock` (or when the link goes: no lease, which could run out under a CAW
+//!   still running). Writes take their own node's stripes shared and complete on both
 //!   replicas before they release them, so under both locks nothing writes the blocks.
+//!   The `Unlock` is armed before the `Lock` goes out, so a command dropped while it
+//!   waits still releases it. Without the other node (link down, or gone while
+//!   locking) a CAW first flushes the mirror alone as a PR OUT does (so this node may
+//!   write alone); a CAW whose link changed before it completed fails (HARDWARE ERROR):
+//!   the other node released the lock with the link, and this node's write may land
+//!   after what the other did since (a write held across a reconnect).
 //! - **Resets** (LOGICAL UNIT RESET, TARGET WARM and COLD RESET, CLEAR TASK SET): their
 //!   unit attentions and aborts reach the other node's nexuses (`Msg::Reset`) before
 //!   the task management response goes out.
@@ -41,7 +57,6 @@
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use tracing::{info, warn};
@@ -77,24 +92,41 @@ pub trait ScsiPeer: Send + Sync {
     /// A reservation change was made without the other node: make it count as a
     /// write made alone (a mirror flushes, which moves its data generation).
     fn changed_alone(&self) -> IoFuture<'_, ()>;
+    /// Names the mirror link now (any value that changes with every new link; its
+    /// value while no link is up does not matter). A COMPARE AND WRITE whose link to
+    /// the other node's lock changed before it completed fails: its write may land
+    /// after what the other node did meanwhile.
+    fn link_id(&self) -> u64;
+    /// Run `task` in the background on this node's runtime (a stripe lock held for the
+    /// other node, an `Unlock` sent from a guard's drop): the unit spawns nothing itself,
+    /// so it runs on whatever executor its node gives it (tokio in a node; the
+    /// deterministic simulation's own).
+    fn spawn(&self, task: BackgroundTask);
 }
+
+/// Work a unit hands to [`ScsiPeer::spawn`].
+pub type BackgroundTask = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + 'static>>;
 
 /// What one node's unit tells the other's.
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Msg {
     /// Raise the effects of a task management function from the other node.
     Reset(TaskFunction),
-    /// Run this PERSISTENT RESERVE OUT (from a nexus on the sender) on the resolver.
+    /// Run this PERSISTENT RESERVE OUT (from a nexus on the sender) on the resolver;
+    /// `token` names it in the `PrApply` that comes back.
     PrOut {
         from: Nexus,
         cdb: Bytes,
         data: Bytes,
+        token: u64,
     },
-    /// Apply this PERSISTENT RESERVE OUT, which the resolver applied.
+    /// Apply this PERSISTENT RESERVE OUT, which the resolver applied; `token`: the
+    /// receiver's own forwarded command's (0 for one that came in on the resolver).
     PrApply {
         from: Nexus,
         cdb: Bytes,
         data: Bytes,
+        token: u64,
     },
     /// The receiver's PR state and whether it was taken from a peer since it started.
     PrGet,
@@ -126,9 +158,6 @@ const T_UNLOCK: u8 = 8;
 const T_SCSI2: u8 = 9;
 const T_SCSI2_HOLDER: u8 = 10;
 const T_SETTLE: u8 = 11;
-
-/// Longest a stripe lock taken for the other node is held without its `Unlock`.
-const LOCK_LEASE: Duration = Duration::from_secs(30);
 
 fn put_bytes(b: &mut BytesMut, v: &[u8]) {
     b.put_u32(v.len() as u32);
@@ -209,7 +238,18 @@ impl Msg {
                 b.put_u8(T_RESET);
                 b.put_u8(function_code(*f));
             }
-            Msg::PrOut { from, cdb, data } | Msg::PrApply { from, cdb, data } => {
+            Msg::PrOut {
+                from,
+                cdb,
+                data,
+                token,
+            }
+            | Msg::PrApply {
+                from,
+                cdb,
+                data,
+                token,
+            } => {
                 b.put_u8(if matches!(self, Msg::PrOut { .. }) {
                     T_PR_OUT
                 } else {
@@ -218,6 +258,7 @@ impl Msg {
                 put_nexus(&mut b, from);
                 put_bytes(&mut b, cdb);
                 put_bytes(&mut b, data);
+                b.put_u64(*token);
             }
             Msg::PrGet => b.put_u8(T_PR_GET),
             Msg::PrInstall(state) => {
@@ -269,10 +310,21 @@ impl Msg {
                 let from = take_nexus(&mut b)?;
                 let cdb = take_bytes(&mut b)?;
                 let data = take_bytes(&mut b)?;
+                let token = take_u64(&mut b)?;
                 if tag == T_PR_OUT {
-                    Msg::PrOut { from, cdb, data }
+                    Msg::PrOut {
+                        from,
+                        cdb,
+                        data,
+                        token,
+                    }
                 } else {
-                    Msg::PrApply { from, cdb, data }
+                    Msg::PrApply {
+                        from,
+                        cdb,
+                        data,
+                        token,
+                    }
                 }
             }
             T_PR_GET => Msg::PrGet,
@@ -356,20 +408,42 @@ fn decode_pr_result(mut b: Bytes) -> Result<std::result::Result<(), PrError>> {
     })
 }
 
+/// What became of a PERSISTENT RESERVE OUT offered to the resolver.
+pub(super) enum Forwarded {
+    /// The resolver ran it: its outcome.
+    Done(std::result::Result<(), PrError>),
+    /// Run it here (this node is the resolver, or alone); `lost`: it went to the
+    /// resolver, which did not answer (it may have applied it).
+    Here { lost: bool },
+}
+
 /// A stripe lock held on the other node: released (with a message) when dropped.
 pub(super) struct PeerLockGuard {
     peer: Option<(Arc<dyn ScsiPeer>, u64)>,
+    /// The link the lock was taken on.
+    link: u64,
+}
+
+impl PeerLockGuard {
+    /// Whether the lock is held on the other node over the link it was taken on.
+    /// `false` when the link changed: the other node released it (`peer_lost`) and may
+    /// have written the blocks since, while this node's write may still land later (a
+    /// write held across a reconnect), so the COMPARE AND WRITE cannot count as atomic.
+    pub(super) fn still_held(&self) -> bool {
+        self.peer
+            .as_ref()
+            .is_none_or(|(peer, _)| peer.link_id() == self.link)
+    }
 }
 
 impl Drop for PeerLockGuard {
     fn drop(&mut self) {
         if let Some((peer, id)) = self.peer.take() {
             let msg = Msg::Unlock { id }.encode();
-            if let Ok(rt) = tokio::runtime::Handle::try_current() {
-                rt.spawn(async move {
-                    let _ = peer.call(msg).await;
-                });
-            }
+            let caller = Arc::clone(&peer);
+            peer.spawn(Box::pin(async move {
+                let _ = caller.call(msg).await;
+            }));
         }
     }
 }
@@ -394,21 +468,34 @@ impl LogicalUnit {
                 info!(function = ?f, "task management function from the other node");
                 Ok(Bytes::new())
             }
-            Msg::PrOut { from, cdb, data } => {
+            Msg::PrOut {
+                from,
+                cdb,
+                data,
+                token,
+            } => {
                 let r = match PrOut::decode(&cdb, &data) {
                     Ok(op) => {
-                        self.apply_pr_out(&from, None, &op, Some((&cdb, &data)))
+                        self.apply_pr_out(&from, None, &op, Some((&cdb, &data, token)))
                             .await
                     }
                     Err(s) => Err(PrError::Check(s)),
                 };
                 Ok(encode_pr_result(&r))
             }
-            Msg::PrApply { from, cdb, data } => {
+            Msg::PrApply {
+                from,
+                cdb,
+                data,
+                token,
+            } => {
                 let r = match PrOut::decode(&cdb, &data) {
                     Ok(op) => self.apply_pr_out(&from, None, &op, None).await,
                     Err(s) => Err(PrError::Check(s)),
                 };
+                if r.is_ok() && token != 0 {
+                    self.applied_forwards.lock().insert(token);
+                }
                 Ok(encode_pr_result(&r))
             }
             Msg::PrGet => {
@@ -431,27 +518,54 @@ impl LogicalUnit {
                 Ok(Bytes::new())
             }
             Msg::Lock { id, lba, blocks } => {
+                // Held by a task of its own until the other node's `Unlock`, or until
+                // the link goes ([`LogicalUnit::peer_lost`]). No lease: one that ran
+                // out under a COMPARE AND WRITE still running there would break it.
+                let peer = self.peer().ok_or_else(|| bad("no peer set"))?;
                 let (taken_tx, taken) = tokio::sync::oneshot::channel();
-                let (release, release_rx) = tokio::sync::oneshot::channel::<()>();
-                self.peer_locks.lock().insert(id, release);
-                let lu = Arc::clone(self);
-                tokio::spawn(async move {
-                    let held = lu.locks.exclusive(lba, blocks).await;
-                    if taken_tx.send(()).is_err() {
-                        return;
+                let (release, mut release_rx) = tokio::sync::oneshot::channel::<()>();
+                {
+                    let mut held_for_peer = self.peer_locks.lock();
+                    if let Some(None) = held_for_peer.get(&id) {
+                        // Released already: the command there ended while asking.
+                        held_for_peer.remove(&id);
+                        return Ok(Bytes::new());
                     }
-                    let _ = tokio::time::timeout(LOCK_LEASE, release_rx).await;
+                    held_for_peer.insert(id, Some(release));
+                }
+                let lu = Arc::clone(self);
+                peer.spawn(Box::pin(async move {
+                    let held = lu.locks.exclusive(lba, blocks).await;
+                    if taken_tx.send(()).is_ok() {
+                        let _ = (&mut release_rx).await;
+                    }
                     drop(held);
-                    lu.peer_locks.lock().remove(&id);
-                });
+                    drop(release_rx);
+                    // Forget this lock's entry if it is still there (its receiver is
+                    // gone now); an entry under the same id from a later link (the other
+                    // node restarted, its ids start again) is alive and stays.
+                    let mut held_for_peer = lu.peer_locks.lock();
+                    if matches!(held_for_peer.get(&id), Some(Some(s)) if s.is_closed()) {
+                        held_for_peer.remove(&id);
+                    }
+                }));
                 taken
                     .await
                     .map_err(|_| Error::new(ErrorKind::Closed, "stripe lock abandoned"))?;
                 Ok(Bytes::new())
             }
             Msg::Unlock { id } => {
-                if let Some(release) = self.peer_locks.lock().remove(&id) {
-                    let _ = release.send(());
+                let mut held_for_peer = self.peer_locks.lock();
+                match held_for_peer.remove(&id) {
+                    Some(Some(release)) => {
+                        let _ = release.send(());
+                    }
+                    // Before its `Lock` (calls may run in any order): the `Lock` then
+                    // takes nothing.
+                    None => {
+                        held_for_peer.insert(id, None);
+                    }
+                    Some(None) => {}
                 }
                 Ok(Bytes::new())
             }
@@ -530,9 +644,6 @@ impl LogicalUnit {
         if peer.link() == PeerLink::Away {
             return;
         }
-        let Ok(rt) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
         let msg = if peer.is_resolver() {
             Msg::Scsi2Holder(None)
         } else {
@@ -541,11 +652,12 @@ impl LogicalUnit {
                 from: gone,
             }
         };
-        rt.spawn(async move {
-            if let Err(e) = peer.call(msg.encode()).await {
+        let caller = Arc::clone(&peer);
+        peer.spawn(Box::pin(async move {
+            if let Err(e) = caller.call(msg.encode()).await {
                 warn!("SCSI-2 reservation: the other node did not hear of its holder's end ({e})");
             }
-        });
+        }));
     }
 
     /// The other node is gone: the stripe locks it held here are released (its
@@ -553,7 +665,9 @@ impl LogicalUnit {
     pub fn peer_lost(&self) {
         let held: Vec<_> = self.peer_locks.lock().drain().collect();
         for (_, release) in held {
-            let _ = release.send(());
+            if let Some(release) = release {
+                let _ = release.send(());
+            }
         }
     }
 
@@ -626,35 +740,43 @@ impl LogicalUnit {
     }
 
     /// Forward a PERSISTENT RESERVE OUT to the resolver when this node is not it and
-    /// the link is up: `Some(outcome)`, or `None` to apply it here (alone).
-    pub(super) async fn forward_pr_out(
-        &self,
-        from: &Nexus,
-        cdb: &[u8],
-        data: &[u8],
-    ) -> Option<std::result::Result<(), PrError>> {
-        let peer = self.peer()?;
+    /// the link is up (see [`Forwarded`]).
+    pub(super) async fn forward_pr_out(&self, from: &Nexus, cdb: &[u8], data: &[u8]) -> Forwarded {
+        let Some(peer) = self.peer() else {
+            return Forwarded::Here { lost: false };
+        };
         if peer.is_resolver() || peer.link() == PeerLink::Away {
-            return None;
+            return Forwarded::Here { lost: false };
         }
+        let token = self.next_peer_lock.fetch_add(1, Ordering::Relaxed);
         let msg = Msg::PrOut {
             from: from.clone(),
             cdb: Bytes::copy_from_slice(cdb),
             data: Bytes::copy_from_slice(data),
+            token,
         };
-        match peer.call(msg.encode()).await {
+        let reply = peer.call(msg.encode()).await;
+        // The resolver's `PrApply` of this command came before its answer, if it did.
+        let applied_here = self.applied_forwards.lock().remove(&token);
+        match reply {
+            Err(e) if applied_here => {
+                // Applied on the resolver (it sends `PrApply` only after it applied it)
+                // and here: applying it again would change the state twice.
+                warn!("PERSISTENT RESERVE OUT: the other node applied it and then went away ({e})");
+                Forwarded::Done(Ok(()))
+            }
             Ok(reply) => match decode_pr_result(reply) {
-                Ok(r) => Some(r),
+                Ok(r) => Forwarded::Done(r),
                 Err(e) => {
                     warn!("PERSISTENT RESERVE OUT through the other node: {e}");
-                    Some(Err(PrError::Check(sense::INTERNAL_FAILURE)))
+                    Forwarded::Done(Err(PrError::Check(sense::INTERNAL_FAILURE)))
                 }
             },
             Err(e) => {
                 warn!(
                     "PERSISTENT RESERVE OUT: the other node did not answer ({e}); applying it here alone"
                 );
-                None
+                Forwarded::Here { lost: true }
             }
         }
     }
@@ -665,12 +787,11 @@ impl LogicalUnit {
     pub(super) async fn replicate_pr_out(
         &self,
         from: &Nexus,
-        cdb: &[u8],
-        data: &[u8],
+        (cdb, data, token): (&[u8], &[u8], u64),
         changed: bool,
-    ) {
+    ) -> std::result::Result<(), PrError> {
         let Some(peer) = self.peer() else {
-            return;
+            return Ok(());
         };
         let mut alone = true;
         if peer.is_resolver() && peer.link() != PeerLink::Away {
@@ -678,6 +799,7 @@ impl LogicalUnit {
                 from: from.clone(),
                 cdb: Bytes::copy_from_slice(cdb),
                 data: Bytes::copy_from_slice(data),
+                token,
             };
             match peer.call(msg.encode()).await {
                 Ok(reply) => {
@@ -696,10 +818,46 @@ impl LogicalUnit {
             }
         }
         if alone && changed {
-            if let Err(e) = peer.changed_alone().await {
-                warn!("a reservation change made alone was not recorded in the mirror: {e}");
+            // The other node did not take it: it counts only if this node may go on
+            // alone (the mirror's flush: quorum, and the generation moves); if not, the
+            // initiator hears that it failed (the state here may keep it: the pair
+            // settles which state stands when they meet), as an internal failure: the
+            // outcome is not known (a refusal before any change is NOT READY).
+            self.commit_alone(peer.as_ref())
+                .await
+                .map_err(|_| PrError::Check(sense::INTERNAL_FAILURE))?;
+            if peer.link() != PeerLink::Away {
+                // A new link came up meanwhile: the flush reached both nodes and moved
+                // no generation, so the next exchange may not keep this change.
+                warn!(
+                    "PERSISTENT RESERVE OUT: the link came back before the change made alone was committed; its outcome is left to the reservation state exchange"
+                );
+                return Err(PrError::Check(sense::INTERNAL_FAILURE));
             }
         }
+        Ok(())
+    }
+
+    /// Whether this node, without the other, may change the reservation state: the
+    /// mirror's flush made alone succeeds (it needs quorum where a witness is set, and
+    /// moves the data generation, so this node becomes the resync source and its state
+    /// wins the next exchange). `Err`: the command fails, with the flush's sense.
+    pub(super) async fn commit_alone(
+        &self,
+        peer: &dyn ScsiPeer,
+    ) -> std::result::Result<(), PrError> {
+        peer.changed_alone().await.map_err(|e| {
+            warn!("a reservation change without the other node was refused: {e}");
+            PrError::Check(sense::from_error(e.kind(), sense::Access::Write))
+        })
+    }
+
+    /// Whether a PERSISTENT RESERVE OUT that came in here (`raw` given) is made without
+    /// the other node: it has one, and the link is down or this node is not the
+    /// resolver (a command forwarded there comes back through `PrApply`, not here).
+    pub(super) fn pr_out_alone(&self) -> Option<Arc<dyn ScsiPeer>> {
+        self.peer()
+            .filter(|p| p.link() == PeerLink::Away || !p.is_resolver())
     }
 
     /// The other node's part of a task management function (see
@@ -733,25 +891,52 @@ impl LogicalUnit {
     /// (nothing without a peer or with the peer away). `Err` when the peer answered
     /// with an error (then the command fails: the other node may be writing there).
     pub(super) async fn peer_lock(&self, lba: u64, blocks: u64) -> Result<PeerLockGuard> {
-        let none = PeerLockGuard { peer: None };
+        let none = PeerLockGuard {
+            peer: None,
+            link: 0,
+        };
         let Some(peer) = self.peer() else {
             return Ok(none);
         };
         if peer.link() == PeerLink::Away {
+            self.caw_alone(peer.as_ref()).await?;
             return Ok(none);
         }
         let id = self.next_peer_lock.fetch_add(1, Ordering::Relaxed);
+        // The guard exists before the call goes out: a command dropped while it waits
+        // (its task aborted) still releases what the other node takes for it.
+        let guard = PeerLockGuard {
+            link: peer.link_id(),
+            peer: Some((Arc::clone(&peer), id)),
+        };
         match peer.call(Msg::Lock { id, lba, blocks }.encode()).await {
-            Ok(_) => Ok(PeerLockGuard {
-                peer: Some((peer, id)),
-            }),
+            Ok(_) => Ok(guard),
             Err(e) if peer.link() == PeerLink::Away => {
-                // The link went while asking: the other node serves nothing now.
                 warn!("COMPARE AND WRITE: the other node went away while locking ({e})");
+                drop(guard);
+                self.caw_alone(peer.as_ref()).await?;
                 Ok(none)
             }
             Err(e) => Err(e),
         }
+    }
+
+    /// A COMPARE AND WRITE without the other node's lock: only if this node may write
+    /// alone. The mirror's flush made alone proves it (with a witness this node then
+    /// holds quorum, so the other node writes nothing until they meet). Without it, the
+    /// compare could see a block the other node is about to change, and a write held
+    /// for quorum and let go on the next link would land after the other node's.
+    /// `Err` (WrongState when the link came back meanwhile): the command fails, nothing
+    /// was compared or written.
+    async fn caw_alone(&self, peer: &dyn ScsiPeer) -> Result<()> {
+        peer.changed_alone().await?;
+        if peer.link() != PeerLink::Away {
+            return Err(Error::new(
+                ErrorKind::WrongState,
+                "COMPARE AND WRITE: the link to the other node came back while it waited",
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -772,11 +957,13 @@ mod tests {
                 from: nexus.clone(),
                 cdb: Bytes::from_static(&[0x5f, 0, 0, 0, 0, 0, 0, 0, 24, 0]),
                 data: Bytes::from_static(&[1; 24]),
+                token: 7,
             },
             Msg::PrApply {
                 from: nexus,
                 cdb: Bytes::new(),
                 data: Bytes::new(),
+                token: 0,
             },
             Msg::PrGet,
             Msg::PrInstall(Bytes::from_static(b"state")),

@@ -305,6 +305,12 @@ mod tests {
         fn changed_alone(&self) -> vsan_core::device::IoFuture<'_, ()> {
             Box::pin(async { Ok(()) })
         }
+        fn link_id(&self) -> u64 {
+            1
+        }
+        fn spawn(&self, task: vsan_core::scsi::BackgroundTask) {
+            tokio::spawn(task);
+        }
     }
 
     fn status(epoch: Option<u64>) -> MirrorStatus {
@@ -332,6 +338,7 @@ mod tests {
             freshness: Freshness::Current(Proof::Handshake),
             unproven_since: None,
             link_epoch: epoch,
+            link_role: None,
         }
     }
 

@@ -8,9 +8,9 @@ use std::sync::{Arc, Weak};
 use bytes::Bytes;
 use tokio::sync::watch;
 use vsan_core::device::IoFuture;
-use vsan_core::scsi::{LogicalUnit, PeerLink, ScsiPeer};
+use vsan_core::scsi::{BackgroundTask, LogicalUnit, PeerLink, ScsiPeer};
 use vsan_core::{BlockDevice, ErrorKind};
-use vsan_replica::protocol::{LinkState, SyncKind, SyncRole};
+use vsan_replica::protocol::{LinkState, SyncRole};
 use vsan_replica::{MirrorStatus, MirroredDisk, ScsiFuture, ScsiHandler};
 
 /// See the module docs.
@@ -19,6 +19,9 @@ pub(super) struct MirrorPeer {
     resolver: bool,
     status: watch::Receiver<MirrorStatus>,
     lu: Weak<LogicalUnit>,
+    /// The runtime the unit's background work runs on when it is started from outside
+    /// one (a guard dropped on a foreign thread).
+    runtime: Option<tokio::runtime::Handle>,
 }
 
 impl MirrorPeer {
@@ -30,6 +33,7 @@ impl MirrorPeer {
             resolver,
             status: disk.watch_status(),
             lu: Arc::downgrade(lu),
+            runtime: tokio::runtime::Handle::try_current().ok(),
         });
         let handler: Arc<dyn ScsiHandler> = peer.clone();
         disk.set_scsi_handler(Arc::downgrade(&handler));
@@ -37,17 +41,17 @@ impl MirrorPeer {
     }
 }
 
-/// How the unit sees the mirror link in `status`.
+/// How the unit sees the mirror link in `status`: what the link's handshake decided
+/// about this node's replica, for the life of the link (a resync it started may be over
+/// by the time the units settle their reservation state: the decision still holds).
 pub(super) fn peer_link(status: &MirrorStatus) -> PeerLink {
     if status.link != LinkState::Connected {
         return PeerLink::Away;
     }
-    match status.last_sync_start {
-        Some(s) if status.syncing && s.kind != SyncKind::Verify => match s.role {
-            SyncRole::Source => PeerLink::Source,
-            SyncRole::Target => PeerLink::Target,
-        },
-        _ => PeerLink::InSync,
+    match status.link_role {
+        Some(SyncRole::Source) => PeerLink::Source,
+        Some(SyncRole::Target) => PeerLink::Target,
+        None => PeerLink::InSync,
     }
 }
 
@@ -66,6 +70,22 @@ impl ScsiPeer for MirrorPeer {
 
     fn changed_alone(&self) -> IoFuture<'_, ()> {
         self.disk.flush()
+    }
+
+    fn link_id(&self) -> u64 {
+        self.status.borrow().link_epoch.unwrap_or(0)
+    }
+
+    fn spawn(&self, task: BackgroundTask) {
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => drop(rt.spawn(task)),
+            Err(_) => match &self.runtime {
+                Some(rt) => drop(rt.spawn(task)),
+                None => tracing::warn!(
+                    "a SCSI background task (a stripe lock for the other node, or its release) had no runtime to run on"
+                ),
+            },
+        }
     }
 }
 

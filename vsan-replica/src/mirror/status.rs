@@ -55,6 +55,9 @@ pub struct MirrorStatus {
     /// so that a watcher that missed a drop and a reconnect between two looks still
     /// sees a new link.
     pub link_epoch: Option<u64>,
+    /// While connected: what the link's handshake decided about this node's replica
+    /// (see [`Endpoint::link_role`](crate::protocol::Endpoint::link_role)).
+    pub link_role: Option<SyncRole>,
 }
 
 /// Whether a node can serve a mirrored disk's I/O now, as a front door reports it to
@@ -183,6 +186,7 @@ pub(super) fn status_of(ep: &Endpoint, o: Observed) -> MirrorStatus {
         freshness,
         unproven_since: (!freshness.is_current()).then_some(started),
         link_epoch: ep.scsi_link(),
+        link_role: ep.link_role(),
     }
 }
 
@@ -211,6 +215,7 @@ mod tests {
             freshness: Freshness::Current(Proof::Handshake),
             unproven_since: None,
             link_epoch: Some(1),
+            link_role: None,
         }
     }
 

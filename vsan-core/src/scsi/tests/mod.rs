@@ -916,4 +916,5 @@ async fn device_errors_become_sense() {
     }
 }
 
+mod peer_tests;
 mod pr_tests;

@@ -373,6 +373,11 @@ impl Endpoint {
         };
         self.state = LinkState::Connected;
         self.quorum = Quorum::Idle;
+        self.link_role = match decision {
+            Decision::Source { .. } => Some(SyncRole::Source),
+            Decision::Target { .. } => Some(SyncRole::Target),
+            Decision::InSync | Decision::Refuse(_) => None,
+        };
         self.become_current(super::freshness::Proof::Handshake);
         info!(disk = %self.cfg.disk_name, peer = self.cfg.peer_id, "peer connected: mirroring ({decision:?})");
         self.events.push_back(Event::Connected);

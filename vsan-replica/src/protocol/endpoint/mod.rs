@@ -132,6 +132,9 @@ pub struct Endpoint {
     quorum: Quorum,
     /// Counts links: bumped by every `handle_connected`.
     link_epoch: u64,
+    /// What this link's handshake decided about this node's replica: the resync source
+    /// or target (the replicas were apart), or `None` (in sync).
+    link_role: Option<SyncRole>,
     last_rx: Instant,
     last_tx: Instant,
     next_ping: u64,
@@ -207,6 +210,7 @@ impl Endpoint {
             peer_copy: PeerCopy::Complete,
             quorum: Quorum::Idle,
             link_epoch: 0,
+            link_role: None,
             last_rx: now,
             last_tx: now,
             next_ping: 1,

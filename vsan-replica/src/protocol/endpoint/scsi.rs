@@ -13,7 +13,7 @@ use bytes::Bytes;
 use vsan_core::ErrorKind;
 
 use super::super::message::{Message, Status};
-use super::{Endpoint, Event, LinkState, RequestId};
+use super::{Endpoint, Event, LinkState, RequestId, SyncRole};
 
 impl Endpoint {
     /// Send a call to the peer's SCSI layer; it completes as a request
@@ -55,6 +55,19 @@ impl Endpoint {
     /// Whether the link is connected (a SCSI call can go out), and its epoch.
     pub fn scsi_link(&self) -> Option<u64> {
         (self.state == LinkState::Connected).then_some(self.link_epoch)
+    }
+
+    /// While connected: what this link's handshake decided about this node's replica,
+    /// for the whole life of the link (the resync it started may have ended already):
+    /// [`SyncRole::Source`] when this replica was the newer one, [`SyncRole::Target`]
+    /// when the peer's was, `None` when they were in sync. The SCSI layers decide by it
+    /// whose reservation state both keep, as the handshake decided whose data.
+    pub fn link_role(&self) -> Option<SyncRole> {
+        if self.state == LinkState::Connected {
+            self.link_role
+        } else {
+            None
+        }
     }
 
     pub(super) fn peer_scsi(&mut self, id: u64, body: Bytes) {
