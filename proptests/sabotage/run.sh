@@ -5,6 +5,8 @@
 #   proptests/sabotage/run.sh                      # every *.patch here
 #   proptests/sabotage/run.sh no-peer-ack-wait.patch
 #   SIM_SEEDS=2000 proptests/sabotage/run.sh ...   # fewer seeds (default 10000)
+#   SIM_PARTS=scsi_seeds proptests/sabotage/run.sh scsi-pr-one-node.patch
+#                                                  # only the SCSI runs (SIM_SCSI_SEEDS, default 2000)
 #
 # Each patch is applied to a clean checkout of HEAD in a temporary git worktree (the
 # working tree is not touched), built in target/sabotage, and run; the script exits 1 if
@@ -27,7 +29,7 @@ for p in "$@"; do
     git -C "$tmp" apply "$here/$name"
     echo "== $name: $seeds seeds"
     out=$(cd "$tmp" && CARGO_TARGET_DIR="$root/target/sabotage" SIM_SEEDS="$seeds" \
-        cargo test --quiet --release -p vsan-proptests --test simulation -- seeds --nocapture 2>&1) && {
+        cargo test --quiet --release -p vsan-proptests --test simulation -- ${SIM_PARTS:-seeds} --nocapture 2>&1) && {
         echo "$out" | grep '^simulation:' || true
         echo "NOT CAUGHT: $name"
         status=1

@@ -8,6 +8,8 @@
 //! - `replay`: `SIM_SEED=<seed>` replays one seed, printing its trace (without it, seed 1
 //!   is replayed with its trace kept in memory).
 //! - `regressions`: seeds that once found bugs, kept as tests.
+//! - `scsi_seeds`: the SCSI runs (`sim::scsi`), seeds `SIM_SEED_BASE..+SIM_SCSI_SEEDS`
+//!   (default 0..2000); `SIM_SCSI=1` makes `replay` replay a SCSI seed.
 //! - `a_lying_disk_is_caught`: the harness can fail: a data device that acknowledges
 //!   flushes without making anything durable loses acknowledged writes, and some seed
 //!   shows it.

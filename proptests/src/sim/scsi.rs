@@ -580,12 +580,15 @@ pub(crate) fn sense_key(r: &Response) -> Option<SenseKey> {
 pub(crate) struct PrModel {
     /// (from, until, candidates), in order.
     epochs: Vec<(Duration, Option<Duration>, Vec<PrState>)>,
+    /// When nodes started.
+    starts: Vec<Duration>,
 }
 
 impl Default for PrModel {
     fn default() -> Self {
         PrModel {
             epochs: vec![(Duration::ZERO, None, vec![PrState::new()])],
+            starts: Vec::new(),
         }
     }
 }
@@ -693,6 +696,18 @@ impl PrModel {
                 applied.push(s);
             }
         }
+        // A node that started while it ran may have loaded it and powered on.
+        if self.starts.iter().any(|t| *t >= submit && *t <= end) {
+            let on: Vec<PrState> = applied
+                .iter()
+                .map(|s| {
+                    let mut s = s.clone();
+                    s.power_on();
+                    s
+                })
+                .collect();
+            applied.extend(on);
+        }
         if good {
             if applied.is_empty() {
                 return Err(format!(
@@ -713,6 +728,7 @@ impl PrModel {
 
     /// A node starts at `now`: perhaps a power on of the unit.
     pub fn node_start(&mut self, now: Duration) {
+        self.starts.push(now);
         let mut all = self.current().to_vec();
         for s in self.current() {
             let mut s = s.clone();
@@ -779,6 +795,8 @@ pub(crate) struct InFlight {
     pub initiator: usize,
     /// When it was submitted.
     pub submit: Duration,
+    /// The simulation's link when it was submitted, if the nodes were together.
+    pub together: Option<u64>,
     /// What it is.
     pub cmd: Cmd,
 }
@@ -1203,12 +1221,15 @@ impl Sim {
         w.next_token += 1;
         let token = w.next_token;
         tr!(self, format!("node {id}: initiator {i} sends {cmd:?}"));
+        let together =
+            (self.link.open == [true, true] && !self.link.partitioned).then_some(self.link.epoch);
         let w = self.world.as_mut().expect("a SCSI run");
         w.cmds[n].insert(
             token,
             InFlight {
                 initiator: i,
                 submit: t,
+                together,
                 cmd,
             },
         );
@@ -1351,6 +1372,46 @@ impl Sim {
                 }
             }
             Cmd::Pr(cmd) => {
+                // PREEMPT AND ABORT: the preempted initiator's tasks that were running
+                // when it came in have ended (SPC-4 5.13.11.2.4): on this node, and on
+                // the other too when the nodes stayed together all along (a node that
+                // acts alone cannot wait for the other's; see TESTING.md).
+                let together_since = c
+                    .together
+                    .filter(|e| {
+                        *e == self.link.epoch
+                            && self.link.open == [true, true]
+                            && !self.link.partitioned
+                    })
+                    .is_some();
+                if good && cmd.cdb[1] & 0x1f == PR_PREEMPT_AND_ABORT {
+                    let sa_key =
+                        u64::from_be_bytes(cmd.data_out[8..16].try_into().expect("24 bytes"));
+                    let w = self.world.as_ref().expect("a SCSI run");
+                    if let Some(j) = (0..INITIATORS).find(|&j| key(j) == sa_key && j != c.initiator)
+                    {
+                        for (k, cmds) in w
+                            .cmds
+                            .iter()
+                            .enumerate()
+                            .filter(|(k, _)| *k == n || together_since)
+                        {
+                            if let Some(left) = cmds.values().find(|o| {
+                                o.initiator == j
+                                    && o.submit < c.submit
+                                    && !matches!(o.cmd, Cmd::Pr(_))
+                            }) {
+                                return Err(format!(
+                                    "PREEMPT AND ABORT of initiator {j} (through node {id}, {:?}..{t:?}) completed while its {:?} (submitted {:?} through node {}) still ran",
+                                    c.submit,
+                                    left.cmd,
+                                    left.submit,
+                                    k + 1
+                                ));
+                            }
+                        }
+                    }
+                }
                 // Refused before anything changed (the unit checks these first, and a
                 // change made alone is committed before it is applied): a definite no.
                 let definite_no = response.as_ref().is_some_and(|r| {
@@ -1388,6 +1449,33 @@ impl Sim {
                     self,
                     format!("model before (good {good_now}): gens {before:?}")
                 );
+                if self.tracing {
+                    let w = self.world.as_ref().expect("a SCSI run");
+                    let mut after = PrModel {
+                        epochs: vec![(Duration::ZERO, None, w.model.candidates().to_vec())],
+                        starts: w.model.starts.clone(),
+                    };
+                    if !definite_no {
+                        let _ = after.pr_out(&nexus(c.initiator, id), &cmd, good, c.submit, t);
+                    }
+                    let mut lines = Vec::new();
+                    for (k, node) in self.nodes.iter().enumerate() {
+                        if let Some(u) = node.unit.as_ref() {
+                            let st = u.lu.pr_state();
+                            if !after.holds(&st) {
+                                lines.push(format!(
+                                    "MODEL MISS node {}: {} not in {}",
+                                    k + 1,
+                                    brief(&st),
+                                    briefs(after.candidates())
+                                ));
+                            }
+                        }
+                    }
+                    for l in lines {
+                        self.log(l);
+                    }
+                }
                 let w = self.world.as_mut().expect("a SCSI run");
                 if !definite_no {
                     w.model

@@ -80,6 +80,13 @@ fn always_served(op: u8) -> bool {
 
 impl LogicalUnit {
     pub(super) async fn run(&self, nexus: &Arc<NexusState>, command: Command) -> Response {
+        // Counted for PREEMPT AND ABORT's wait; reservation commands are not (they
+        // wait for the PR lock it holds, and change no data).
+        let _running = (!matches!(
+            command.cdb.first(),
+            Some(&(PR_OUT | PR_IN | RESERVE_6 | RELEASE_6 | RESERVE_10 | RELEASE_10))
+        ))
+        .then(|| nexus.task_started());
         let mb = self.mode.get();
         let d = mb.d_sense();
         let cdb = &command.cdb[..];
@@ -357,6 +364,7 @@ impl LogicalUnit {
             *self.pr.write() = next;
         }
         self.update_reserved();
+        let mut aborted = Vec::new();
         if !fx.unit_attentions.is_empty() || !fx.aborts.is_empty() {
             let tas = self.mode.get().tas();
             let all = self.nexuses.lock().clone();
@@ -372,8 +380,15 @@ impl LogicalUnit {
                 }
                 if fx.aborts.iter().any(|r| r.matches(&n.nexus)) {
                     n.bump_aborts(tas, false);
+                    aborted.push(Arc::clone(n));
                 }
             }
+        }
+        // PREEMPT AND ABORT completes only once the tasks it aborted here have ended
+        // (SPC-4 5.13.11.2.4: a write of a preempted initiator must not land after it);
+        // the other node's `PrApply` waits for its own the same way before answering.
+        for n in aborted {
+            n.idle().await;
         }
         if let Some(raw) = raw
             && alone.is_none()

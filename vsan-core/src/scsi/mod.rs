@@ -309,6 +309,20 @@ struct NexusState {
     ua: Mutex<VecDeque<Sense>>,
     ua_pending: AtomicBool,
     aborts: tokio::sync::watch::Sender<Aborts>,
+    /// Commands of this nexus running in the unit now, and a wake-up when none is.
+    running: AtomicU64,
+    idle: tokio::sync::Notify,
+}
+
+/// One command of a nexus running (see [`NexusState::task_started`]).
+struct Running<'a>(&'a NexusState);
+
+impl Drop for Running<'_> {
+    fn drop(&mut self) {
+        if self.0.running.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.0.idle.notify_waiters();
+        }
+    }
 }
 
 /// At most this many unit attentions queue per nexus; older ones are dropped first.
@@ -337,6 +351,26 @@ impl NexusState {
             self.ua_pending.store(false, Ordering::Release);
         }
         s
+    }
+
+    /// Count a command as running until the guard drops (also when its future is
+    /// dropped).
+    fn task_started(&self) -> Running<'_> {
+        self.running.fetch_add(1, Ordering::AcqRel);
+        Running(self)
+    }
+
+    /// Wait until no command of this nexus runs.
+    async fn idle(&self) {
+        loop {
+            let woken = self.idle.notified();
+            let mut woken = std::pin::pin!(woken);
+            woken.as_mut().enable();
+            if self.running.load(Ordering::Acquire) == 0 {
+                return;
+            }
+            woken.await;
+        }
     }
 
     fn bump_aborts(&self, tas: bool, cleared: bool) {
@@ -545,6 +579,8 @@ impl LogicalUnit {
             ua: Mutex::new(VecDeque::new()),
             ua_pending: AtomicBool::new(false),
             aborts: tokio::sync::watch::channel(Aborts::default()).0,
+            running: AtomicU64::new(0),
+            idle: tokio::sync::Notify::new(),
         });
         state.push_ua(sense::UA_RESET);
         self.nexuses.lock().push(state.clone());
