@@ -27,7 +27,7 @@ for p in "$@"; do
     name=$(basename "$p")
     git -C "$tmp" checkout --quiet -- .
     git -C "$tmp" apply "$here/$name"
-    echo "== $name: $seeds seeds"
+    echo "== $name: ${SIM_PARTS:-seeds} ($seeds plain seeds, ${SIM_SCSI_SEEDS:-2000} SCSI seeds)"
     out=$(cd "$tmp" && CARGO_TARGET_DIR="$root/target/sabotage" SIM_SEEDS="$seeds" \
         cargo test --quiet --release -p vsan-proptests --test simulation -- ${SIM_PARTS:-seeds} --nocapture 2>&1) && {
         echo "$out" | grep '^simulation:' || true

@@ -670,6 +670,15 @@ impl Sim {
         s
     }
 
+    /// The link epoch while node `n`'s endpoint is connected (it is mirroring).
+    fn mirroring_link(&self, n: usize) -> Option<u64> {
+        self.nodes[n]
+            .ep
+            .as_ref()
+            .is_some_and(|ep| ep.state() == LinkState::Connected)
+            .then_some(self.link.epoch)
+    }
+
     fn converged(&self) -> bool {
         self.link.open == [true, true]
             && self
@@ -965,11 +974,7 @@ impl Sim {
                         "node {id}: a completion for unknown request {request:?}"
                     ));
                 };
-                let mirroring = self.nodes[n]
-                    .ep
-                    .as_ref()
-                    .is_some_and(|ep| ep.state() == LinkState::Connected);
-                let link = mirroring.then_some(self.link.epoch);
+                let link = self.mirroring_link(n);
                 match req {
                     Req::Write(i) => {
                         // Submitted after the nodes were separated, and acknowledged
@@ -1516,11 +1521,7 @@ impl Sim {
         }
         let now = self.now();
         let id = self.nodes[n].id;
-        let mirroring = self.nodes[n]
-            .ep
-            .as_ref()
-            .is_some_and(|ep| ep.state() == LinkState::Connected);
-        let link = mirroring.then_some(self.link.epoch);
+        let link = self.mirroring_link(n);
         let roll = self.rng.random_range(0..100);
         let (start, count) = {
             let count = self.rng.random_range(1..=8u64);

@@ -139,15 +139,7 @@ impl BlockDevice for SimDevice {
     }
 
     fn write(&self, offset: u64, data: Bytes, flags: IoFlags) -> IoFuture<'_, ()> {
-        let f = request(
-            &self.shared,
-            IoReq::Write {
-                offset,
-                payload: WritePayload::Data(data),
-                fua: flags.contains(IoFlags::FUA),
-            },
-        );
-        Box::pin(async move { f.await.map(|_| ()) })
+        self.write_req(offset, WritePayload::Data(data), flags)
     }
 
     fn flush(&self) -> IoFuture<'_, ()> {
@@ -156,23 +148,21 @@ impl BlockDevice for SimDevice {
     }
 
     fn discard(&self, offset: u64, len: u64, flags: IoFlags) -> IoFuture<'_, ()> {
-        let f = request(
-            &self.shared,
-            IoReq::Write {
-                offset,
-                payload: WritePayload::Discard { len },
-                fua: flags.contains(IoFlags::FUA),
-            },
-        );
-        Box::pin(async move { f.await.map(|_| ()) })
+        self.write_req(offset, WritePayload::Discard { len }, flags)
     }
 
     fn write_zeroes(&self, offset: u64, len: u64, flags: IoFlags) -> IoFuture<'_, ()> {
+        self.write_req(offset, WritePayload::Zeroes { len }, flags)
+    }
+}
+
+impl SimDevice {
+    fn write_req(&self, offset: u64, payload: WritePayload, flags: IoFlags) -> IoFuture<'_, ()> {
         let f = request(
             &self.shared,
             IoReq::Write {
                 offset,
-                payload: WritePayload::Zeroes { len },
+                payload,
                 fua: flags.contains(IoFlags::FUA),
             },
         );
@@ -472,15 +462,20 @@ pub(crate) async fn command_run(
 
 // ----- commands -----
 
-/// WRITE(10) of `blocks` blocks at `lba`.
-pub(crate) fn write10(lba: u64, blocks: u64, fua: bool, data: Bytes) -> Command {
-    let mut cdb = vec![0x2a, if fua { 0x08 } else { 0 }];
+/// A READ(10) or WRITE(10) CDB.
+fn rw10(op: u8, flags: u8, lba: u64, blocks: u64) -> Bytes {
+    let mut cdb = vec![op, flags];
     cdb.extend_from_slice(&(lba as u32).to_be_bytes());
     cdb.push(0);
     cdb.extend_from_slice(&(blocks as u16).to_be_bytes());
     cdb.push(0);
+    cdb.into()
+}
+
+/// WRITE(10) of `blocks` blocks at `lba`.
+pub(crate) fn write10(lba: u64, blocks: u64, fua: bool, data: Bytes) -> Command {
     Command {
-        cdb: cdb.into(),
+        cdb: rw10(0x2a, if fua { 0x08 } else { 0 }, lba, blocks),
         data_out: data,
         expected_in: 0,
     }
@@ -488,13 +483,8 @@ pub(crate) fn write10(lba: u64, blocks: u64, fua: bool, data: Bytes) -> Command 
 
 /// READ(10).
 pub(crate) fn read10(lba: u64, blocks: u64) -> Command {
-    let mut cdb = vec![0x28, 0];
-    cdb.extend_from_slice(&(lba as u32).to_be_bytes());
-    cdb.push(0);
-    cdb.extend_from_slice(&(blocks as u16).to_be_bytes());
-    cdb.push(0);
     Command {
-        cdb: cdb.into(),
+        cdb: rw10(0x28, 0, lba, blocks),
         data_out: Bytes::new(),
         expected_in: (blocks * SECTOR) as u32,
     }
@@ -1132,11 +1122,7 @@ impl Sim {
         let (lu, nexuses) = (u.lu.clone(), u.nexuses.clone());
         let id = self.nodes[n].id;
         let t = self.t;
-        let link = self.nodes[n]
-            .ep
-            .as_ref()
-            .is_some_and(|ep| ep.state() == LinkState::Connected)
-            .then_some(self.link.epoch);
+        let link = self.mirroring_link(n);
         let hot = self.plan.hot;
         let Some(w) = self.world.as_mut() else {
             return Ok(());
@@ -1244,6 +1230,31 @@ impl Sim {
         Ok(())
     }
 
+    /// A WRITE or CAW (history index `hist`) ended: acknowledged GOOD (`good`, on
+    /// mirroring link `link`), refused before it changed anything (`why`), or with an
+    /// unknown outcome. Returns `good`.
+    fn end_write(&mut self, hist: usize, good: bool, why: Option<&str>, link: Option<u64>) -> bool {
+        let t = self.t;
+        if good {
+            let apart = self
+                .apart_since
+                .filter(|since| self.hist.submitted(hist) >= *since)
+                .map(|_| self.link.epoch);
+            self.hist.write_done(hist, true, link, apart, t);
+        } else if let Some(why) = why {
+            self.hist.write_refused(hist, t);
+            let w = self.world.as_mut().expect("a SCSI run");
+            match why {
+                "miscompare" => w.stats.caw_miscompared += 1,
+                "reservation conflict" => w.stats.conflicts += 1,
+                _ => {}
+            }
+        } else {
+            self.hist.write_done(hist, false, None, None, t);
+        }
+        good
+    }
+
     /// An initiator's command ended on node `n`.
     fn cmd_done(
         &mut self,
@@ -1253,11 +1264,7 @@ impl Sim {
     ) -> Result<(), String> {
         let id = self.nodes[n].id;
         let t = self.t;
-        let link = self.nodes[n]
-            .ep
-            .as_ref()
-            .is_some_and(|ep| ep.state() == LinkState::Connected)
-            .then_some(self.link.epoch);
+        let link = self.mirroring_link(n);
         let good = response.as_ref().is_some_and(|r| r.status == Status::Good);
         let why = response.as_ref().and_then(refused);
         tr!(
@@ -1272,11 +1279,6 @@ impl Sim {
                 }
             )
         );
-        let apart = |sim: &Sim, hist: usize| {
-            sim.apart_since
-                .filter(|since| sim.hist.submitted(hist) >= *since)
-                .map(|_| sim.link.epoch)
-        };
         match c.cmd {
             Cmd::Write {
                 hist,
@@ -1284,21 +1286,12 @@ impl Sim {
                 count,
                 id: wid,
             } => {
-                if good {
-                    let apart = apart(self, hist);
-                    self.hist.write_done(hist, true, link, apart, t);
+                if self.end_write(hist, good, why, link) {
                     let w = self.world.as_mut().expect("a SCSI run");
                     w.acked.push((c.initiator, id, c.submit, t));
                     for s in start..start + count {
                         w.known[s as usize] = wid;
                     }
-                } else if let Some(why) = why {
-                    self.hist.write_refused(hist, t);
-                    if why == "reservation conflict" {
-                        self.world.as_mut().expect("a SCSI run").stats.conflicts += 1;
-                    }
-                } else {
-                    self.hist.write_done(hist, false, None, None, t);
                 }
             }
             Cmd::Read { offset, len } => {
@@ -1327,9 +1320,7 @@ impl Sim {
                 expected,
                 id: wid,
             } => {
-                if good {
-                    let apart = apart(self, hist);
-                    self.hist.write_done(hist, true, link, apart, t);
+                if self.end_write(hist, good, why, link) {
                     self.hist.allowed(sector, expected, c.submit, t).map_err(|e| {
                         format!(
                             "node {id}: a COMPARE AND WRITE at sector {sector} succeeded, comparing a value no read could have returned: {e}"
@@ -1354,16 +1345,6 @@ impl Sim {
                     w.acked.push((c.initiator, id, c.submit, t));
                     w.known[sector as usize] = wid;
                     w.stats.caw_won += 1;
-                } else if let Some(why) = why {
-                    self.hist.write_refused(hist, t);
-                    let w = self.world.as_mut().expect("a SCSI run");
-                    match why {
-                        "miscompare" => w.stats.caw_miscompared += 1,
-                        "reservation conflict" => w.stats.conflicts += 1,
-                        _ => {}
-                    }
-                } else {
-                    self.hist.write_done(hist, false, None, None, t);
                 }
             }
             Cmd::Sync(f) => {
