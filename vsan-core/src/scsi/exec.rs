@@ -332,8 +332,9 @@ impl LogicalUnit {
     /// attached here) under the PR lock; `raw` (its CDB, data-out, and the forwarding
     /// node's token) when this node must replicate it: to the other node when this is
     /// the resolver, or as a change made alone otherwise (see `peer.rs`). A change made
-    /// alone is committed through the mirror first ([`Self::commit_alone`]): refused
-    /// there, the command fails and nothing changes.
+    /// alone is committed through the mirror first ([`Self::go_alone`]): refused there
+    /// (or with the link back meanwhile: NOT READY, retry), the command fails and
+    /// nothing changes.
     pub(super) async fn apply_pr_out(
         &self,
         from: &super::Nexus,
@@ -348,13 +349,10 @@ impl LogicalUnit {
         if let Some(peer) = &alone
             && fx.changed
         {
-            self.commit_alone(peer.as_ref()).await?;
-            if peer.link() != super::PeerLink::Away {
-                // The link is up (again): the flush went to both nodes, so nothing
-                // moved the generation, and a change kept here alone would lose the
-                // next exchange. Nothing changed; the initiator tries again.
-                return Err(PrError::Check(sense::NOT_READY_TRANSITION));
-            }
+            self.go_alone(peer.as_ref()).await.map_err(|e| {
+                tracing::warn!("a reservation change without the other node was refused: {e}");
+                PrError::Check(sense::from_error(e.kind(), sense::Access::Write))
+            })?;
         }
         if fx.changed {
             if let Err(e) = self.persist(&next).await {

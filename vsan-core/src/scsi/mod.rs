@@ -309,8 +309,11 @@ struct NexusState {
     ua: Mutex<VecDeque<Sense>>,
     ua_pending: AtomicBool,
     aborts: tokio::sync::watch::Sender<Aborts>,
-    /// Commands of this nexus running in the unit now, and a wake-up when none is.
+    /// Commands of this nexus running in the unit now, and a wake-up when none is
+    /// (sent only while someone waits: `waiters`, so a command's end costs one atomic
+    /// decrement and one load on the I/O path).
     running: AtomicU64,
+    waiters: AtomicU64,
     idle: tokio::sync::Notify,
 }
 
@@ -319,7 +322,11 @@ struct Running<'a>(&'a NexusState);
 
 impl Drop for Running<'_> {
     fn drop(&mut self) {
-        if self.0.running.fetch_sub(1, Ordering::AcqRel) == 1 {
+        // SeqCst against `idle`'s increment of `waiters` and load of `running`: one of
+        // the two sees the other's write.
+        if self.0.running.fetch_sub(1, Ordering::SeqCst) == 1
+            && self.0.waiters.load(Ordering::SeqCst) > 0
+        {
             self.0.idle.notify_waiters();
         }
     }
@@ -362,11 +369,19 @@ impl NexusState {
 
     /// Wait until no command of this nexus runs.
     async fn idle(&self) {
+        struct Waiting<'a>(&'a AtomicU64);
+        impl Drop for Waiting<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::SeqCst);
+            }
+        }
+        self.waiters.fetch_add(1, Ordering::SeqCst);
+        let _waiting = Waiting(&self.waiters);
         loop {
             let woken = self.idle.notified();
             let mut woken = std::pin::pin!(woken);
             woken.as_mut().enable();
-            if self.running.load(Ordering::Acquire) == 0 {
+            if self.running.load(Ordering::SeqCst) == 0 {
                 return;
             }
             woken.await;
@@ -580,6 +595,7 @@ impl LogicalUnit {
             ua_pending: AtomicBool::new(false),
             aborts: tokio::sync::watch::channel(Aborts::default()).0,
             running: AtomicU64::new(0),
+            waiters: AtomicU64::new(0),
             idle: tokio::sync::Notify::new(),
         });
         state.push_ua(sense::UA_RESET);

@@ -474,13 +474,12 @@ impl LogicalUnit {
                 data,
                 token,
             } => {
-                let r = match PrOut::decode(&cdb, &data) {
-                    Ok(op) => {
-                        self.apply_pr_out(&from, None, &op, Some((&cdb, &data, token)))
-                            .await
-                    }
-                    Err(s) => Err(PrError::Check(s)),
-                };
+                let r = async {
+                    let op = PrOut::decode(&cdb, &data).map_err(PrError::Check)?;
+                    self.apply_pr_out(&from, None, &op, Some((&cdb, &data, token)))
+                        .await
+                }
+                .await;
                 Ok(encode_pr_result(&r))
             }
             Msg::PrApply {
@@ -489,10 +488,11 @@ impl LogicalUnit {
                 data,
                 token,
             } => {
-                let r = match PrOut::decode(&cdb, &data) {
-                    Ok(op) => self.apply_pr_out(&from, None, &op, None).await,
-                    Err(s) => Err(PrError::Check(s)),
-                };
+                let r = async {
+                    let op = PrOut::decode(&cdb, &data).map_err(PrError::Check)?;
+                    self.apply_pr_out(&from, None, &op, None).await
+                }
+                .await;
                 if r.is_ok() && token != 0 {
                     self.applied_forwards.lock().insert(token);
                 }
@@ -823,33 +823,32 @@ impl LogicalUnit {
             // initiator hears that it failed (the state here may keep it: the pair
             // settles which state stands when they meet), as an internal failure: the
             // outcome is not known (a refusal before any change is NOT READY).
-            self.commit_alone(peer.as_ref())
-                .await
-                .map_err(|_| PrError::Check(sense::INTERNAL_FAILURE))?;
-            if peer.link() != PeerLink::Away {
-                // A new link came up meanwhile: the flush reached both nodes and moved
-                // no generation, so the next exchange may not keep this change.
+            self.go_alone(peer.as_ref()).await.map_err(|e| {
                 warn!(
-                    "PERSISTENT RESERVE OUT: the link came back before the change made alone was committed; its outcome is left to the reservation state exchange"
+                    "PERSISTENT RESERVE OUT: the change made here is not committed alone ({e}); its outcome is left to the reservation state exchange"
                 );
-                return Err(PrError::Check(sense::INTERNAL_FAILURE));
-            }
+                PrError::Check(sense::INTERNAL_FAILURE)
+            })?;
         }
         Ok(())
     }
 
-    /// Whether this node, without the other, may change the reservation state: the
-    /// mirror's flush made alone succeeds (it needs quorum where a witness is set, and
-    /// moves the data generation, so this node becomes the resync source and its state
-    /// wins the next exchange). `Err`: the command fails, with the flush's sense.
-    pub(super) async fn commit_alone(
-        &self,
-        peer: &dyn ScsiPeer,
-    ) -> std::result::Result<(), PrError> {
-        peer.changed_alone().await.map_err(|e| {
-            warn!("a reservation change without the other node was refused: {e}");
-            PrError::Check(sense::from_error(e.kind(), sense::Access::Write))
-        })
+    /// Whether this node may act without the other (change the reservation state, or
+    /// run a COMPARE AND WRITE without the other's lock): the mirror's flush made alone
+    /// succeeds (it needs quorum where a witness is set, and moves the data generation,
+    /// so this node becomes the resync source and its state wins the next exchange),
+    /// and the link is still down after it. `Err`: the flush's error, or WrongState
+    /// when a new link came up meanwhile (the flush then reached both nodes and moved
+    /// no generation).
+    pub(super) async fn go_alone(&self, peer: &dyn ScsiPeer) -> Result<()> {
+        peer.changed_alone().await?;
+        if peer.link() != PeerLink::Away {
+            return Err(Error::new(
+                ErrorKind::WrongState,
+                "the link to the other node came back while acting alone",
+            ));
+        }
+        Ok(())
     }
 
     /// Whether a PERSISTENT RESERVE OUT that came in here (`raw` given) is made without
@@ -899,7 +898,7 @@ impl LogicalUnit {
             return Ok(none);
         };
         if peer.link() == PeerLink::Away {
-            self.caw_alone(peer.as_ref()).await?;
+            self.go_alone(peer.as_ref()).await?;
             return Ok(none);
         }
         let id = self.next_peer_lock.fetch_add(1, Ordering::Relaxed);
@@ -914,29 +913,11 @@ impl LogicalUnit {
             Err(e) if peer.link() == PeerLink::Away => {
                 warn!("COMPARE AND WRITE: the other node went away while locking ({e})");
                 drop(guard);
-                self.caw_alone(peer.as_ref()).await?;
+                self.go_alone(peer.as_ref()).await?;
                 Ok(none)
             }
             Err(e) => Err(e),
         }
-    }
-
-    /// A COMPARE AND WRITE without the other node's lock: only if this node may write
-    /// alone. The mirror's flush made alone proves it (with a witness this node then
-    /// holds quorum, so the other node writes nothing until they meet). Without it, the
-    /// compare could see a block the other node is about to change, and a write held
-    /// for quorum and let go on the next link would land after the other node's.
-    /// `Err` (WrongState when the link came back meanwhile): the command fails, nothing
-    /// was compared or written.
-    async fn caw_alone(&self, peer: &dyn ScsiPeer) -> Result<()> {
-        peer.changed_alone().await?;
-        if peer.link() != PeerLink::Away {
-            return Err(Error::new(
-                ErrorKind::WrongState,
-                "COMPARE AND WRITE: the link to the other node came back while it waited",
-            ));
-        }
-        Ok(())
     }
 }
 
