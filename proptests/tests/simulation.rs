@@ -231,7 +231,10 @@ const SCSI_REGRESSIONS: &[(u64, &str)] = &[
     (175, "fixed-pr-alone-without-commit"),
     (199, "fixed-forwarded-pr-applied-twice"),
     (232, "fixed-pr-decided-by-running-sync"),
+    (13, "fixed-held-writes-land-after-fence"),
+    (193, "fixed-waiting-write-admitted-on-old-link"),
     (1108, "fixed-caw-link-changed-counts"),
+    (1335, "fixed-caw-admitted-on-old-link"),
     (11930, "fixed-caw-alone-without-commit"),
 ];
 

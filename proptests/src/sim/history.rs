@@ -26,7 +26,8 @@
 //! write usually survives on the other node. The check does not demand it.)
 //!
 //! Failed writes may have landed on one replica, so they stay allowed until superseded,
-//! like any other; they never supersede anything. Writes refused before they could
+//! like any other; they never supersede anything. A write fenced while in flight (its
+//! initiator preempted and aborted: the SCSI runs) counts as ended at its fence. Writes refused before they could
 //! change anything (a reservation conflict, a unit attention, a miscompare: the SCSI
 //! runs) are never allowed.
 
@@ -107,6 +108,22 @@ pub struct Write {
     /// Refused before it could change anything (a reservation conflict, a unit
     /// attention, a COMPARE AND WRITE's miscompare): no read may ever return it.
     pub refused: bool,
+    /// Fenced at this time: a PERSISTENT RESERVE OUT PREEMPT AND ABORT of its initiator
+    /// completed while it was in flight. From then on it must not land: it counts as
+    /// ended then (see [`History::fence`]).
+    pub fenced: Option<Duration>,
+}
+
+impl Write {
+    /// When it ended as far as what it may still change goes: its end, or its fence if
+    /// that came first.
+    fn landed_by(&self) -> Option<Duration> {
+        match (self.end, self.fenced) {
+            (Some(e), Some(f)) => Some(e.min(f)),
+            (e, None) => e,
+            (None, f) => f,
+        }
+    }
 }
 
 /// One flush a client submitted.
@@ -148,6 +165,7 @@ impl History {
             durable: Some(Duration::ZERO),
             apart: None,
             refused: false,
+            fenced: None,
         };
         History {
             writes: vec![initial],
@@ -183,6 +201,7 @@ impl History {
             durable: None,
             apart: None,
             refused: false,
+            fenced: None,
         });
         for s in sectors.0..sectors.0 + sectors.1 {
             self.by_sector[s as usize].push(i);
@@ -220,6 +239,23 @@ impl History {
         w.end = Some(now);
         w.ok = false;
         w.refused = true;
+    }
+
+    /// A PREEMPT AND ABORT of write `i`'s initiator completed now, while the write was
+    /// in flight (on either node): the write must not land after now (SPC-4 5.13.11.2.4:
+    /// the fenced initiator's tasks are aborted, and a cluster relies on nothing of it
+    /// reaching the disk after the fence). A read, or the final image, may return it
+    /// only as it may return a write that ended now.
+    pub fn fence(&mut self, i: usize, now: Duration) {
+        let w = &mut self.writes[i];
+        if w.end.is_none_or(|e| e > now) && w.fenced.is_none() {
+            w.fenced = Some(now);
+        }
+    }
+
+    /// When write `i` was fenced, if it was.
+    pub fn fenced_at(&self, i: usize) -> Option<Duration> {
+        self.writes[i].fenced
     }
 
     /// When the write whose data is value `v` ended (`None`: still in flight, or no such
@@ -304,7 +340,7 @@ impl History {
         let ok = list.iter().any(|&i| {
             let w = &self.writes[i];
             w.value == v && !w.refused && w.submit < rc.max(Duration::from_nanos(1)) && {
-                match (w.end, floor) {
+                match (w.landed_by(), floor) {
                     (_, None) => true,
                     (None, Some(_)) => true,
                     (Some(e), Some(f)) => e >= f,

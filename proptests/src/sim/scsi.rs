@@ -1233,8 +1233,19 @@ impl Sim {
     /// A WRITE or CAW (history index `hist`) ended: acknowledged GOOD (`good`, on
     /// mirroring link `link`), refused before it changed anything (`why`), or with an
     /// unknown outcome. Returns `good`.
-    fn end_write(&mut self, hist: usize, good: bool, why: Option<&str>, link: Option<u64>) -> bool {
+    fn end_write(
+        &mut self,
+        hist: usize,
+        good: bool,
+        why: Option<&str>,
+        link: Option<u64>,
+    ) -> Result<bool, String> {
         let t = self.t;
+        if let Some(fence) = self.hist.fenced_at(hist).filter(|f| good && *f < t) {
+            return Err(format!(
+                "a write (history {hist}) completed GOOD at {t:?}, after a PREEMPT AND ABORT of its initiator had completed at {fence:?} while it was in flight"
+            ));
+        }
         if good {
             let apart = self
                 .apart_since
@@ -1252,7 +1263,7 @@ impl Sim {
         } else {
             self.hist.write_done(hist, false, None, None, t);
         }
-        good
+        Ok(good)
     }
 
     /// An initiator's command ended on node `n`.
@@ -1286,7 +1297,7 @@ impl Sim {
                 count,
                 id: wid,
             } => {
-                if self.end_write(hist, good, why, link) {
+                if self.end_write(hist, good, why, link)? {
                     let w = self.world.as_mut().expect("a SCSI run");
                     w.acked.push((c.initiator, id, c.submit, t));
                     for s in start..start + count {
@@ -1320,7 +1331,7 @@ impl Sim {
                 expected,
                 id: wid,
             } => {
-                if self.end_write(hist, good, why, link) {
+                if self.end_write(hist, good, why, link)? {
                     self.hist.allowed(sector, expected, c.submit, t).map_err(|e| {
                         format!(
                             "node {id}: a COMPARE AND WRITE at sector {sector} succeeded, comparing a value no read could have returned: {e}"
@@ -1371,6 +1382,17 @@ impl Sim {
                     let w = self.world.as_ref().expect("a SCSI run");
                     if let Some(j) = (0..INITIATORS).find(|&j| key(j) == sa_key && j != c.initiator)
                     {
+                        // The fence: what of the preempted initiator ran when it came
+                        // in and runs still, on either node (the other may not know of
+                        // it yet: the two are apart), must not land from now on. (A
+                        // command that came later is checked against the new state.)
+                        for o in w.cmds.iter().flat_map(|m| m.values()) {
+                            if let (true, Cmd::Write { hist, .. } | Cmd::Caw { hist, .. }) =
+                                (o.initiator == j && o.submit < c.submit, &o.cmd)
+                            {
+                                self.hist.fence(*hist, t);
+                            }
+                        }
                         for (k, cmds) in w
                             .cmds
                             .iter()

@@ -85,7 +85,7 @@ impl LogicalUnit {
                 let fua = verify || !mb.wce() || (op != WRITE_6 && u8_at(cdb, 1) & 0x08 != 0);
                 let flags = if fua { IoFlags::FUA } else { IoFlags::empty() };
                 let (off, _) = self.bytes_of(lba, blocks64);
-                let _held = self.locks.shared(lba, blocks64).await;
+                let _held = self.write_stripes(lba, blocks64).await?;
                 self.device
                     .write(off, data, flags)
                     .await
@@ -175,7 +175,7 @@ impl LogicalUnit {
     /// reads back as zeros either way, as LBPRZ promises).
     async fn deallocate(&self, lba: u64, blocks: u64) -> Result<(), Fail> {
         let (off, len) = self.bytes_of(lba, blocks);
-        let _held = self.locks.shared(lba, blocks).await;
+        let _held = self.write_stripes(lba, blocks).await?;
         match self.device.discard(off, len, IoFlags::empty()).await {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == ErrorKind::NotSupported => self
@@ -250,7 +250,7 @@ impl LogicalUnit {
                 self.deallocate(lba, blocks).await?;
             } else {
                 let (off, len) = self.bytes_of(lba, blocks);
-                let _held = self.locks.shared(lba, blocks).await;
+                let _held = self.write_stripes(lba, blocks).await?;
                 self.device
                     .write_zeroes(off, len, IoFlags::empty())
                     .await
@@ -267,7 +267,7 @@ impl LogicalUnit {
             chunk.extend_from_slice(&data);
         }
         let chunk = chunk.freeze();
-        let _held = self.locks.shared(lba, blocks).await;
+        let _held = self.write_stripes(lba, blocks).await?;
         let mut done = 0;
         while done < blocks {
             let n = per.min(blocks - done);
@@ -338,6 +338,7 @@ impl LogicalUnit {
                 Fail::Check(sense::from_error(e.kind(), Access::Write))
             })
         };
+        let admitted = self.admitted_link();
         let resolver = self.peer().is_some_and(|p| p.is_resolver());
         let early = if resolver {
             Some(peer_lock().await?)
@@ -349,6 +350,7 @@ impl LogicalUnit {
             Some(g) => g,
             None => peer_lock().await?,
         };
+        self.same_link(admitted)?;
         let current = self
             .device
             .read(off, len as usize)

@@ -86,6 +86,33 @@ impl StripeLock {
         Held::Shared(v)
     }
 
+    /// Take the stripes of a range shared if none is held exclusive now (`None`: one
+    /// is; nothing is held then).
+    pub fn try_shared(&self, lba: u64, blocks: u64) -> Option<Held<'_>> {
+        let m = Self::mask(lba, blocks);
+        if m == 0 {
+            return Some(Held::None);
+        }
+        let first = m.trailing_zeros() as usize;
+        match m.count_ones() {
+            1 => return self.stripes[first].try_read().ok().map(Held::SharedOne),
+            2 => {
+                let second = 63 - m.leading_zeros() as usize;
+                let a = self.stripes[first].try_read().ok()?;
+                let b = self.stripes[second].try_read().ok()?;
+                return Some(Held::SharedTwo(a, b));
+            }
+            _ => {}
+        }
+        let mut v = Vec::with_capacity(m.count_ones() as usize);
+        for (i, s) in self.stripes.iter().enumerate() {
+            if m & (1 << i) != 0 {
+                v.push(s.try_read().ok()?);
+            }
+        }
+        Some(Held::Shared(v))
+    }
+
     /// Take the stripes of a range exclusive (a COMPARE AND WRITE).
     pub async fn exclusive(&self, lba: u64, blocks: u64) -> Held<'_> {
         let m = Self::mask(lba, blocks);
@@ -129,5 +156,28 @@ mod tests {
             matches!(l.shared(0, u64::MAX).now_or_never(), Some(Held::Shared(v)) if v.len() == STRIPES)
         );
         assert!(matches!(l.shared(5, 0).now_or_never(), Some(Held::None)));
+    }
+
+    #[test]
+    fn try_shared_takes_free_stripes_and_nothing_when_one_is_held() {
+        let l = StripeLock::default();
+        let region = 1u64 << REGION_SHIFT;
+        let held = l.exclusive(region, 1).now_or_never().unwrap();
+        assert!(matches!(l.try_shared(0, 1), Some(Held::SharedOne(_))));
+        assert!(l.try_shared(region + 5, 1).is_none());
+        assert!(
+            l.try_shared(region - 1, 2).is_none(),
+            "the second stripe is held"
+        );
+        assert!(l.try_shared(0, region * 4).is_none());
+        // Nothing stays held by a failed try: the first stripe is free for a CAW.
+        assert!(l.exclusive(0, 1).now_or_never().is_some());
+        drop(held);
+        assert!(matches!(
+            l.try_shared(region - 1, 2),
+            Some(Held::SharedTwo(..))
+        ));
+        assert!(matches!(l.try_shared(0, region * 4), Some(Held::Shared(v)) if v.len() == 4));
+        assert!(matches!(l.try_shared(3, 0), Some(Held::None)));
     }
 }

@@ -886,6 +886,47 @@ impl LogicalUnit {
         }))
     }
 
+    /// The link to the other node a command is admitted on (its reservation checked):
+    /// [`ScsiPeer::link_id`], 0 with no peer or none connected.
+    pub(super) fn admitted_link(&self) -> u64 {
+        self.peer.read().as_ref().map_or(0, |p| p.link_id())
+    }
+
+    /// A write admitted on link `admitted` is about to reach the device after a wait:
+    /// refused (NOT READY, ASYMMETRIC ACCESS STATE TRANSITION: retry; nothing written)
+    /// if a new link to the other node came up meanwhile. Its reservation was checked
+    /// against this node's state of then, which the new link may replace with the
+    /// other node's, moved on alone without this node: a PREEMPT AND ABORT made there
+    /// fences the initiator, and what it sent before must not land after the fence.
+    /// The retry is checked against the state the two settle on.
+    pub(super) fn same_link(&self, admitted: u64) -> std::result::Result<(), super::exec::Fail> {
+        let now = self.admitted_link();
+        if now != 0 && now != admitted {
+            warn!(
+                "a write admitted before the link to the other node came back is refused \
+                 (retry): the reservation state may have moved on there"
+            );
+            return Err(super::exec::Fail::Check(sense::NOT_READY_TRANSITION));
+        }
+        Ok(())
+    }
+
+    /// The stripes of a write, shared (see [`super::lock`]); a write that waited for
+    /// them is refused if a new link came up meanwhile ([`Self::same_link`]).
+    pub(super) async fn write_stripes(
+        &self,
+        lba: u64,
+        blocks: u64,
+    ) -> std::result::Result<super::lock::Held<'_>, super::exec::Fail> {
+        if let Some(held) = self.locks.try_shared(lba, blocks) {
+            return Ok(held);
+        }
+        let admitted = self.admitted_link();
+        let held = self.locks.shared(lba, blocks).await;
+        self.same_link(admitted)?;
+        Ok(held)
+    }
+
     /// Take the other node's stripes of a range exclusive, for a COMPARE AND WRITE
     /// (nothing without a peer or with the peer away). `Err` when the peer answered
     /// with an error (then the command fails: the other node may be writing there).

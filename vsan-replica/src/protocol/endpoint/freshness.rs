@@ -444,26 +444,35 @@ impl Endpoint {
         writes.chain(reads).chain(flushes).min()
     }
 
-    /// Fail the requests held for an unproven replica that `due` (given when each was
-    /// submitted) selects, with `kind`; returns how many. Writes held here never started:
-    /// nothing of them reached the replica.
-    pub(super) fn fail_held(&mut self, due: impl Fn(Instant) -> bool, kind: ErrorKind) -> usize {
-        let mut failed = 0;
+    /// Fail the own writes not started yet that `due` (given when each was submitted)
+    /// selects, with `kind`; returns how many. Nothing of them reached the replica.
+    pub(super) fn fail_held_writes(
+        &mut self,
+        due: impl Fn(Instant) -> bool,
+        kind: ErrorKind,
+    ) -> usize {
         let writes: Vec<_> = self
             .pending_own
             .iter()
             .copied()
             .filter(|r| self.own_writes.get(r).is_some_and(|w| due(w.submitted)))
             .collect();
-        for req in writes {
-            self.pending_own.retain(|r| *r != req);
-            self.own_writes.remove(&req);
+        for req in &writes {
+            self.pending_own.retain(|r| r != req);
+            self.own_writes.remove(req);
             self.events.push_back(Event::Completed {
-                request: req,
+                request: *req,
                 result: Err(kind),
             });
-            failed += 1;
         }
+        writes.len()
+    }
+
+    /// Fail the requests held for an unproven replica that `due` (given when each was
+    /// submitted) selects, with `kind`; returns how many. Writes held here never started:
+    /// nothing of them reached the replica.
+    pub(super) fn fail_held(&mut self, due: impl Fn(Instant) -> bool, kind: ErrorKind) -> usize {
+        let mut failed = self.fail_held_writes(&due, kind);
         let (fail, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.held_reads)
             .into_iter()
             .partition(|r| due(r.3));

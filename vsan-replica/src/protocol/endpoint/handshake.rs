@@ -10,11 +10,14 @@ use std::time::Instant;
 
 use tracing::{info, warn};
 
+use vsan_core::ErrorKind;
+
 use super::{
     Alone, Endpoint, Event, LinkState, PeerCopy, Quorum, Remote, Replica, RequestId, SyncRole,
 };
 use crate::protocol::generations::{Decision, Side, decide};
 use crate::protocol::message::{Hello, Message, PROTOCOL_VERSION, SplitBrainPolicy};
+use crate::protocol::ranges::Range;
 
 /// The handshake on the current link.
 #[derive(Debug, Clone)]
@@ -42,8 +45,14 @@ enum OurHello {
     Deferred { peer: Option<Hello> },
     /// Sent; the peer's not compared yet.
     Sent(Hello),
-    /// Sent, the peer's compared and accepted, Welcome sent.
-    Accepted { mine: Hello, decision: Decision },
+    /// Sent, the peer's compared and accepted, Welcome sent. `peer_went_on`: the
+    /// peer's current generation is not this node's (it wrote, or moved its generation,
+    /// without this node).
+    Accepted {
+        mine: Hello,
+        decision: Decision,
+        peer_went_on: bool,
+    },
 }
 
 /// The peer's Welcome on the current link.
@@ -101,6 +110,9 @@ impl Endpoint {
         self.peer_copy = PeerCopy::Complete;
         self.last_rx = now;
         self.transmit.clear();
+        self.fence_from =
+            (self.state == LinkState::Degraded && self.is_current() && self.alone() == Alone::Hold)
+                .then_some(now);
         // From degraded mode, generations must not move while the two sides compare
         // them: new writes wait, and the Hello waits for writes already going on alone.
         if self.state != LinkState::Degraded {
@@ -323,8 +335,13 @@ impl Endpoint {
         if let Decision::Refuse(reason) = decision {
             return self.refuse(now, reason);
         }
+        let peer_went_on = h.generations.current != mine.generations.current;
         if let Handshake::Running(run) = &mut self.handshake {
-            run.hello = OurHello::Accepted { mine, decision };
+            run.hello = OurHello::Accepted {
+                mine,
+                decision,
+                peer_went_on,
+            };
         }
         self.send(now, Message::Welcome);
         self.maybe_connected(now);
@@ -365,7 +382,12 @@ impl Endpoint {
         }
         let held = self.holds_writes();
         let Handshake::Running(Run {
-            hello: OurHello::Accepted { decision, .. },
+            hello:
+                OurHello::Accepted {
+                    decision,
+                    peer_went_on,
+                    ..
+                },
             ..
         }) = std::mem::replace(&mut self.handshake, Handshake::Idle)
         else {
@@ -381,6 +403,14 @@ impl Endpoint {
         self.become_current(super::freshness::Proof::Handshake);
         info!(disk = %self.cfg.disk_name, peer = self.cfg.peer_id, "peer connected: mirroring ({decision:?})");
         self.events.push_back(Event::Connected);
+        if let Some(from) = self.fence_from.take()
+            && peer_went_on
+            && matches!(decision, Decision::Target { .. })
+        {
+            // The peer's replica is the newer one and went on without this node: what
+            // this node held for it comes from before (see `fail_fenced_writes`).
+            self.fail_fenced_writes(now, from);
+        }
         // Writes started while waiting for the link go out now, in order, then the
         // flushes that waited (each covers the writes before it).
         while let Some(req) = self.unsent.pop_front() {
@@ -429,6 +459,42 @@ impl Endpoint {
         // Writes held while the replica was unproven start now, in submission order.
         self.start_ready(now);
         self.run_held_reads(now);
+    }
+
+    /// The peer went on without this node (its replica wins this link's decision with a
+    /// generation this node does not have) while this node, current, held its writes
+    /// for quorum: the own writes held for the peer across the separation (started, or
+    /// submitted before the link came up at `from`) fail with [`ErrorKind::NoQuorum`]
+    /// (use the other path) instead of being sent. Sent now, they would land on the peer
+    /// after whatever it did meanwhile, a fence among it: a PERSISTENT RESERVE OUT
+    /// PREEMPT AND ABORT made alone there must never be followed by writes of the
+    /// initiator it preempted, held here from before. None of them was acknowledged;
+    /// the chunks of the started ones are marked, so the resync this link starts
+    /// copies the peer's data over what they left on this replica.
+    fn fail_fenced_writes(&mut self, now: Instant, from: Instant) {
+        let started: Vec<RequestId> = self.unsent.drain(..).collect();
+        let waiting = self.fail_held_writes(|submitted| submitted < from, ErrorKind::NoQuorum);
+        for req in &started {
+            let Some(w) = self.own_writes.get_mut(req) else {
+                continue;
+            };
+            w.fenced = true;
+            w.remote = Remote::Skipped;
+            let range = Range::new(w.offset, w.payload.len());
+            self.mark_unmirrored(range, false);
+        }
+        for req in &started {
+            self.finish_own_write(now, *req);
+        }
+        if !started.is_empty() || waiting > 0 {
+            warn!(
+                disk = %self.cfg.disk_name,
+                "node {} went on without this node: {} writes held for it fail (no quorum) \
+                 instead of landing after what it did meanwhile; their chunks resync from it",
+                self.cfg.peer_id,
+                started.len() + waiting
+            );
+        }
     }
 
     /// The operator resolves a split brain on this node: on the next handshake this

@@ -135,6 +135,10 @@ pub struct Endpoint {
     /// What this link's handshake decided about this node's replica: the resync source
     /// or target (the replicas were apart), or `None` (in sync).
     link_role: Option<SyncRole>,
+    /// The current link came up while this node, current, held its writes for quorum:
+    /// when it came up. Writes held from before then fail if the handshake finds that
+    /// the peer went on without this node (`fail_fenced_writes`).
+    fence_from: Option<Instant>,
     last_rx: Instant,
     last_tx: Instant,
     next_ping: u64,
@@ -211,6 +215,7 @@ impl Endpoint {
             quorum: Quorum::Idle,
             link_epoch: 0,
             link_role: None,
+            fence_from: None,
             last_rx: now,
             last_tx: now,
             next_ping: 1,

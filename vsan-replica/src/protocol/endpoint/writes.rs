@@ -45,6 +45,10 @@ pub(super) struct OwnWrite {
     /// Its local copy failed and left no complete copy anywhere (`detached_alone`):
     /// it fails, even if the peer takes it later.
     pub(super) failed_alone: bool,
+    /// Held for the peer across a separation the peer went on from (it became the
+    /// newer replica without this write): it fails with [`ErrorKind::NoQuorum`] and is
+    /// never sent, its chunks already marked for the resync (`fail_fenced_writes`).
+    pub(super) fenced: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -126,6 +130,7 @@ impl Endpoint {
                 remote: Remote::Unsent,
                 bits_pending: false,
                 failed_alone: false,
+                fenced: false,
             },
         );
         self.pending_own.push_back(req);
@@ -245,17 +250,25 @@ impl Endpoint {
     }
 
     pub(super) fn finish_own_write(&mut self, now: Instant, req: RequestId) {
-        let Some((local, remote, range, bits_pending, failed_alone)) =
+        let Some((local, remote, range, bits_pending, failed_alone, fenced)) =
             self.own_writes.get(&req).and_then(|w| {
                 settled(w.local, w.remote).map(|(l, r)| {
                     let range = Range::new(w.offset, w.payload.len());
-                    (l, r, range, w.bits_pending, w.failed_alone)
+                    (l, r, range, w.bits_pending, w.failed_alone, w.fenced)
                 })
             })
         else {
             return;
         };
         if bits_pending {
+            return;
+        }
+        if fenced {
+            self.own_writes.remove(&req);
+            self.events.push_back(Event::Completed {
+                request: req,
+                result: Err(ErrorKind::NoQuorum),
+            });
             return;
         }
         let mirrored = remote == Some(Status::Ok);

@@ -381,3 +381,60 @@ fn a_shutting_down_node_drops_the_link_and_takes_no_more_writes() {
             .any(|e| matches!(e, Event::Refused { reason } if reason.contains("shutting down")))
     );
 }
+
+#[test]
+fn writes_held_across_a_separation_the_peer_went_on_from_fail_and_never_reach_it() {
+    for policy in [QuorumPolicy::Suspend, QuorumPolicy::IoError] {
+        let mut p = quorum_pair(policy);
+        p.cut();
+        let now = p.now;
+        // A has no answer from the witness yet: its write is held (applied locally,
+        // never sent). B gets the disk, overwrites the block and flushes alone (a fence
+        // made there, such as a PREEMPT AND ABORT, is such a flush).
+        let held = p.write(0, 0, fill(0x44, 512), false);
+        p.run();
+        assert_eq!(
+            p.n[0].result_of(held),
+            None,
+            "{policy:?}: the write is not held"
+        );
+        p.n[1].ep.handle_quorum(now, true);
+        p.pump();
+        let fence = p.write(1, 0, fill(0x55, 512), false);
+        let flush = p.n[1].ep.submit_flush(now);
+        p.pump();
+        p.run();
+        assert_eq!(p.n[1].result_of(fence), Some(&Ok(None)));
+        assert_eq!(p.n[1].result_of(flush), Some(&Ok(None)));
+        // They meet again: B is the newer replica. A's held write fails instead of
+        // landing on B after B's write, and the resync evens A's copy of its block.
+        p.connect();
+        p.run();
+        assert_eq!(
+            p.n[0].result_of(held),
+            Some(&Err(ErrorKind::NoQuorum)),
+            "{policy:?}: the held write"
+        );
+        assert_eq!(p.n[0].ep.state(), LinkState::Connected);
+        assert_eq!(
+            &p.n[1].disk[..512],
+            &fill(0x55, 512)[..],
+            "{policy:?}: B's block"
+        );
+        assert_eq!(p.n[0].disk, p.n[1].disk, "{policy:?}: replicas differ");
+    }
+}
+
+#[test]
+fn writes_held_across_a_separation_nobody_went_on_from_are_sent_when_the_peer_returns() {
+    let mut p = quorum_pair(QuorumPolicy::Suspend);
+    p.cut();
+    let held = p.write(0, 0, fill(0x44, 512), false);
+    p.run();
+    assert_eq!(p.n[0].result_of(held), None);
+    p.connect();
+    p.run();
+    assert_eq!(p.n[0].result_of(held), Some(&Ok(None)));
+    assert_eq!(&p.n[1].disk[..512], &fill(0x44, 512)[..]);
+    assert_eq!(p.n[0].disk, p.n[1].disk);
+}
