@@ -235,6 +235,9 @@ const SCSI_REGRESSIONS: &[(u64, &str)] = &[
     (193, "fixed-waiting-write-admitted-on-old-link"),
     (1108, "fixed-caw-link-changed-counts"),
     (1335, "fixed-caw-admitted-on-old-link"),
+    (5254, "fixed-forwarded-pr-out-applied-over-new-link"),
+    (36689, "fixed-pr-out-over-new-link-acked"),
+    (39116, "fixed-flush-alone-ends-while-connected"),
     (11930, "fixed-caw-alone-without-commit"),
 ];
 

@@ -785,7 +785,8 @@ pub(crate) struct InFlight {
     pub initiator: usize,
     /// When it was submitted.
     pub submit: Duration,
-    /// The simulation's link when it was submitted, if the nodes were together.
+    /// The simulation's link when it was submitted, if the nodes were together (both
+    /// mirroring on it).
     pub together: Option<u64>,
     /// What it is.
     pub cmd: Cmd,
@@ -1207,8 +1208,12 @@ impl Sim {
         w.next_token += 1;
         let token = w.next_token;
         tr!(self, format!("node {id}: initiator {i} sends {cmd:?}"));
-        let together =
-            (self.link.open == [true, true] && !self.link.partitioned).then_some(self.link.epoch);
+        // Together: the link is up and both endpoints mirror on it (a handshake still
+        // running leaves a node acting alone).
+        let together = (self.link.open == [true, true]
+            && !self.link.partitioned
+            && (0..2).all(|k| self.mirroring_link(k).is_some()))
+        .then_some(self.link.epoch);
         let w = self.world.as_mut().expect("a SCSI run");
         w.cmds[n].insert(
             token,

@@ -13,6 +13,10 @@ use super::pr::{AccessClass, PrError, PrOut};
 use super::sense::{self, Sense};
 use super::{AluaState, Command, Direction, LogicalUnit, NexusState, Response, Status, mode};
 
+/// A PERSISTENT RESERVE OUT to replicate: its CDB, its data-out, the forwarding node's
+/// token (0 for one issued here), and the link it came on or was applied on.
+pub(super) type RawPrOut<'a> = (&'a [u8], &'a [u8], u64, Option<u64>);
+
 /// How a command failed.
 pub(super) enum Fail {
     /// CHECK CONDITION with this sense.
@@ -294,7 +298,12 @@ impl LogicalUnit {
             super::peer::Forwarded::Done(r) => r,
             super::peer::Forwarded::Here { lost } => {
                 let r = self
-                    .apply_pr_out(&nexus.nexus, Some(nexus.id), &op, Some((cdb, data, 0)))
+                    .apply_pr_out(
+                        &nexus.nexus,
+                        Some(nexus.id),
+                        &op,
+                        Some((cdb, data, 0, None)),
+                    )
                     .await;
                 match r {
                     // The resolver may have applied it before the link went: a refusal
@@ -329,8 +338,9 @@ impl LogicalUnit {
     }
 
     /// Apply a PERSISTENT RESERVE OUT from `from` (`local`: its nexus id when it is
-    /// attached here) under the PR lock; `raw` (its CDB, data-out, and the forwarding
-    /// node's token) when this node must replicate it: to the other node when this is
+    /// attached here) under the PR lock; `raw` (its CDB, data-out, the forwarding
+    /// node's token, and the link a forwarded command came on) when this node must
+    /// replicate it: to the other node when this is
     /// the resolver, or as a change made alone otherwise (see `peer.rs`). A change made
     /// alone is committed through the mirror first ([`Self::go_alone`]): refused there
     /// (or with the link back meanwhile: NOT READY, retry), the command fails and
@@ -340,12 +350,16 @@ impl LogicalUnit {
         from: &super::Nexus,
         local: Option<u64>,
         op: &PrOut,
-        raw: Option<(&[u8], &[u8], u64)>,
+        raw: Option<RawPrOut<'_>>,
     ) -> Result<(), PrError> {
         let _serial = self.pr_out.lock().await;
         let mut next = self.pr.read().clone();
         let fx = next.apply(from, op, self.ptpl_capable())?;
         let alone = raw.and_then(|_| self.pr_out_alone());
+        // The link it is applied on (a forwarded one: the link it came on).
+        let raw = raw.map(|(cdb, data, token, came_on)| {
+            (cdb, data, token, came_on.or(Some(self.admitted_link())))
+        });
         if let Some(peer) = &alone
             && fx.changed
         {

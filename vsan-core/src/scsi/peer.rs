@@ -474,9 +474,10 @@ impl LogicalUnit {
                 data,
                 token,
             } => {
+                let link = self.admitted_link();
                 let r = async {
                     let op = PrOut::decode(&cdb, &data).map_err(PrError::Check)?;
-                    self.apply_pr_out(&from, None, &op, Some((&cdb, &data, token)))
+                    self.apply_pr_out(&from, None, &op, Some((&cdb, &data, token, Some(link))))
                         .await
                 }
                 .await;
@@ -787,14 +788,26 @@ impl LogicalUnit {
     pub(super) async fn replicate_pr_out(
         &self,
         from: &Nexus,
-        (cdb, data, token): (&[u8], &[u8], u64),
+        (cdb, data, token, came_on): super::exec::RawPrOut<'_>,
         changed: bool,
     ) -> std::result::Result<(), PrError> {
         let Some(peer) = self.peer() else {
             return Ok(());
         };
         let mut alone = true;
-        if peer.is_resolver() && peer.link() != PeerLink::Away {
+        // Applied here on a link that is gone since: not sent over the new one. A
+        // forwarded command's node has told its initiator the outcome is unknown and
+        // gone on; applied there now, it would take effect after commands that came
+        // later. The other node's state may have moved on alone meanwhile (or powered
+        // on): the exchange on the new link settles which state stands, so the outcome
+        // is unknown here too.
+        let link_gone = came_on.is_some_and(|l| l != peer.link_id());
+        if link_gone {
+            warn!(
+                "PERSISTENT RESERVE OUT: the link it was applied on is gone; not sent over the new one"
+            );
+        }
+        if peer.is_resolver() && peer.link() != PeerLink::Away && !link_gone {
             let msg = Msg::PrApply {
                 from: from.clone(),
                 cdb: Bytes::copy_from_slice(cdb),
@@ -806,10 +819,14 @@ impl LogicalUnit {
                     alone = false;
                     match decode_pr_result(reply) {
                         Ok(Ok(())) => {}
-                        Ok(theirs) => warn!(
-                            "PERSISTENT RESERVE OUT ended differently on the other node ({theirs:?}; it succeeded here)"
-                        ),
-                        Err(e) => warn!("PERSISTENT RESERVE OUT on the other node: {e}"),
+                        theirs => {
+                            // The two states differ (the exchange has not settled them
+                            // yet): which one stands is the exchange's to say.
+                            warn!(
+                                "PERSISTENT RESERVE OUT ended differently on the other node ({theirs:?}; it succeeded here): its outcome is left to the reservation state exchange"
+                            );
+                            return Err(PrError::Check(sense::INTERNAL_FAILURE));
+                        }
                     }
                 }
                 Err(e) => warn!(

@@ -428,6 +428,7 @@ impl Endpoint {
                     f.local = Local::Done(result.map(drop));
                 }
                 self.finish_flush(req);
+                self.maybe_send_hello(now);
             }
             OpPurpose::PeerFlush(epoch, id) => {
                 if self.state == LinkState::Connected && epoch == self.link_epoch {

@@ -125,10 +125,16 @@ impl Endpoint {
         self.maybe_send_hello(now);
     }
 
+    /// Whether own writes or flushes completing alone are in flight: a flush's end moves
+    /// the generation as a write's does (`finish_flush`), so the Hello waits for both.
     pub(super) fn unmirrored_in_flight(&self) -> bool {
         self.own_writes
             .values()
             .any(|w| w.started && matches!(w.remote, Remote::Skipped))
+            || self
+                .own_flushes
+                .values()
+                .any(|f| f.remote == Remote::Skipped && f.refused.is_none())
     }
 
     pub(super) fn maybe_send_hello(&mut self, now: Instant) {

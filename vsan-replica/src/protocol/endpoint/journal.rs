@@ -574,6 +574,7 @@ impl Endpoint {
                         f.gen_pending = false;
                     }
                     self.finish_flush(req);
+                    self.maybe_send_hello(now);
                 }
                 MetaWaiter::CheckpointAck(id) => {
                     if self.state == LinkState::Connected {

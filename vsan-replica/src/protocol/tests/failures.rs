@@ -438,3 +438,48 @@ fn writes_held_across_a_separation_nobody_went_on_from_are_sent_when_the_peer_re
     assert_eq!(&p.n[1].disk[..512], &fill(0x44, 512)[..]);
     assert_eq!(p.n[0].disk, p.n[1].disk);
 }
+
+#[test]
+fn a_flush_completing_alone_holds_the_hello_back_so_no_generation_moves_while_connected() {
+    // Found by the SCSI simulation (seed 39116): a flush made alone (with quorum) whose
+    // local half ended after the next handshake had compared generations moved this
+    // node's generation while connected; the next separation then looked like a split
+    // brain although the other node never had quorum.
+    let mut p = quorum_pair(QuorumPolicy::Suspend);
+    p.cut();
+    let now = p.now;
+    p.n[0].ep.handle_quorum(now, true);
+    p.pump();
+    let f = p.n[0].ep.submit_flush(now);
+    p.pump();
+    let hold = local_op(
+        p.n[0]
+            .io
+            .iter()
+            .find(|io| matches!(io, LocalIo::Flush { .. }))
+            .expect("the flush's local half"),
+    );
+    p.connect();
+    p.run_except(0, hold);
+    assert_ne!(
+        p.n[0].ep.state(),
+        LinkState::Connected,
+        "connected while a flush made alone is in flight"
+    );
+    let k = p.n[0]
+        .io
+        .iter()
+        .position(|io| local_op(io) == hold)
+        .unwrap();
+    p.complete_io(0, k);
+    p.run();
+    assert_eq!(p.n[0].result_of(f), Some(&Ok(None)));
+    assert_eq!(p.n[0].ep.state(), LinkState::Connected);
+    assert_eq!(p.n[1].ep.state(), LinkState::Connected);
+    assert_eq!(
+        p.n[0].ep.generations(),
+        p.n[1].ep.generations(),
+        "a generation moved behind the handshake's back"
+    );
+    assert_eq!(p.n[0].disk, p.n[1].disk);
+}
