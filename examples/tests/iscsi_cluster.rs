@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use common::iscsi::{Answer, IscsiTarget, RawConn, iscsi_lines};
 use common::mirror::{CONNECTED, Side, assert_replicas_identical, free_loopback_addr};
-use common::{Node, Sig, TestDir, image};
+use common::{Node, Sig, TestDir, image, meta};
 
 /// How long a state change may take to show.
 const CHANGE: Duration = Duration::from_secs(30);
@@ -341,6 +341,23 @@ fn persistent_reservations_hold_through_a_kill_9_of_the_holders_node_and_its_res
     n1.stop_clean(Sig::TERM);
     n2.stop_clean(Sig::TERM);
     assert_replicas_identical(&image(&dir1, "vol0"), &image(&dir2, "vol0"));
+    // The reservation state is in each replica's metadata, no file of its own: A's key
+    // (as the state encodes it, big-endian) in the SCSI state area of both.
+    for (dir, node) in [(&dir1, 1), (&dir2, 2)] {
+        assert!(
+            !dir.data_dir().join("vol0.scsi-state").exists(),
+            "node {node} kept a state file"
+        );
+        let m = std::fs::read(meta(dir, "vol0")).expect("the metadata file");
+        let area = m
+            .windows(8)
+            .position(|w| w == b"VSANSCSI")
+            .unwrap_or_else(|| panic!("node {node}: no SCSI state in the metadata"));
+        assert!(
+            m[area..].windows(8).any(|w| w == KA.to_be_bytes()),
+            "node {node}: A's registration is not in the metadata's SCSI state"
+        );
+    }
 }
 
 /// One COMPARE AND WRITE that won: on `block`, `old` replaced by `new`.

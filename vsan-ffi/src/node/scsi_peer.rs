@@ -103,3 +103,185 @@ impl ScsiHandler for MirrorPeer {
         })
     }
 }
+
+/// The reservation state of a mirrored disk's unit, kept in the replica's metadata
+/// ([`MirroredDisk::save_scsi_state`]) rather than in a file of its own: it travels
+/// with the replica, and which node's state stands follows the handshake's decision
+/// about the data.
+struct MetadataStore {
+    disk: MirroredDisk,
+}
+
+impl vsan_core::scsi::PrStore for MetadataStore {
+    fn save<'a>(&'a self, state: &'a vsan_core::scsi::PrState) -> IoFuture<'a, ()> {
+        let bytes = Bytes::from(state.encode());
+        Box::pin(self.disk.save_scsi_state(bytes))
+    }
+}
+
+/// Keep `lu`'s reservation state in `disk`'s metadata: load what is saved there (with a
+/// power on: only APTPL state survives it) or, the first time, what an older version
+/// left in `old_file` (`data_dir/<disk>.scsi-state`), which is moved into the metadata
+/// and removed. Runs before the unit serves.
+pub(super) async fn keep_in_metadata(
+    lu: &Arc<LogicalUnit>,
+    disk: &MirroredDisk,
+    old_file: Option<&std::path::Path>,
+) -> vsan_core::Result<()> {
+    use vsan_core::scsi::PrState;
+    let decode = |what: &str, b: &[u8]| {
+        PrState::decode(b).map_err(|e| {
+            vsan_core::Error::with_source(
+                ErrorKind::Corrupt,
+                format!("disk {}: the SCSI state in {what}", disk.name()),
+                e,
+            )
+        })
+    };
+    let mut migrated = None;
+    let state = match disk.scsi_state().await? {
+        Some(b) => Some(decode("the metadata", &b)?),
+        None => match old_file.map(std::fs::read) {
+            Some(Ok(b)) => {
+                let path = old_file.expect("read from it");
+                migrated = Some(path);
+                Some(decode(&path.display().to_string(), &b)?)
+            }
+            Some(Err(e)) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(vsan_core::Error::io(
+                    format!("read {}", old_file.expect("read from it").display()),
+                    e,
+                ));
+            }
+            _ => None,
+        },
+    };
+    lu.set_pr_store(Arc::new(MetadataStore { disk: disk.clone() }));
+    if let Some(mut state) = state {
+        state.power_on();
+        // Saved into the metadata again (the first time: moved there).
+        lu.install_pr_state(state).await?;
+    }
+    if let Some(path) = migrated {
+        std::fs::remove_file(path)
+            .map_err(|e| vsan_core::Error::io(format!("remove {}", path.display()), e))?;
+        tracing::info!(
+            disk = %disk.name(),
+            "the SCSI state moved from {} into the replica's metadata",
+            path.display()
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use vsan_core::scsi::{LuConfig, LuIdentity, PrState, Registration, TargetPort};
+    use vsan_core::{Geometry, MemDevice};
+    use vsan_replica::meta::{self, Layout};
+    use vsan_replica::protocol::{Config, DiskId};
+    use vsan_replica::{Replica, meta_params};
+
+    use super::*;
+
+    const SIZE: u64 = 1 << 20;
+
+    /// A mirrored disk (its peer never comes) whose metadata has the SCSI state area.
+    async fn disk() -> MirroredDisk {
+        let cfg = Config::new(1, 2, DiskId::from_name("vol0"), "vol0", SIZE, 512);
+        let p = meta_params(&cfg, meta::DEFAULT_CHUNK_SIZE);
+        let l = Layout::new(SIZE, p.chunk_size);
+        let dev: Arc<dyn BlockDevice> = Arc::new(MemDevice::new(
+            Geometry::new(l.total_len_with_scsi(), 512).unwrap(),
+        ));
+        let loaded = meta::create(dev.as_ref(), &p).await.unwrap();
+        let data: Arc<dyn BlockDevice> =
+            Arc::new(MemDevice::new(Geometry::new(SIZE, 512).unwrap()));
+        MirroredDisk::start(
+            cfg,
+            Replica {
+                data,
+                meta: dev,
+                loaded,
+            },
+            None,
+        )
+        .unwrap()
+    }
+
+    fn unit(disk: &MirroredDisk) -> Arc<LogicalUnit> {
+        let config = LuConfig {
+            identity: LuIdentity::from_disk_id("vol0"),
+            port: TargetPort {
+                name: "iqn.2026-12.test:vol0,t,0x0001".into(),
+                relative_id: 1,
+                group: 1,
+            },
+            read_only: false,
+            state_file: None,
+        };
+        LogicalUnit::new(Arc::new(disk.clone()), config).unwrap()
+    }
+
+    /// [`saved_state`] as a state file holds it. (Its next registration id, private to
+    /// the SCSI layer, is set in the bytes: 2, past the registration's.)
+    fn saved_bytes() -> Vec<u8> {
+        let mut b = saved_state().encode();
+        b[11..19].copy_from_slice(&2u64.to_be_bytes());
+        let body = b.len() - 4;
+        let crc = crc32fast::hash(&b[..body]);
+        b[body..].copy_from_slice(&crc.to_be_bytes());
+        b
+    }
+
+    /// An APTPL state with one registration (it survives the power on of a start).
+    fn saved_state() -> PrState {
+        let mut s = PrState::new();
+        s.generation = 3;
+        s.aptpl = true;
+        s.registrations.push(Registration {
+            id: 1,
+            key: 0xAB,
+            initiator_port: "iqn.2026-12.test:host,i,0x000000000001".into(),
+            transport_id: b"tid".to_vec(),
+            relative_target_port: 1,
+            all_tg_pt: false,
+            name_only: false,
+        });
+        s
+    }
+
+    #[tokio::test]
+    async fn an_old_state_file_moves_into_the_metadata_and_later_starts_load_it_there() {
+        let dir = tempfile::tempdir().unwrap();
+        let old = dir.path().join("vol0.scsi-state");
+        std::fs::write(&old, saved_bytes()).unwrap();
+        let disk = disk().await;
+        let lu = unit(&disk);
+        keep_in_metadata(&lu, &disk, Some(&old)).await.unwrap();
+        let got = lu.pr_state();
+        assert_eq!(got.registrations, saved_state().registrations);
+        assert_eq!(got.generation, 3);
+        assert!(!old.exists(), "the old file is left behind");
+        let in_meta = disk
+            .scsi_state()
+            .await
+            .unwrap()
+            .expect("saved in the metadata");
+        assert_eq!(PrState::decode(&in_meta).unwrap(), got);
+
+        // The next start of a unit over the same replica loads it from there.
+        let again = unit(&disk);
+        keep_in_metadata(&again, &disk, Some(&old)).await.unwrap();
+        assert_eq!(again.pr_state().registrations, got.registrations);
+
+        // A bad state in the metadata is refused, never served as empty.
+        disk.save_scsi_state(Bytes::from_static(b"garbage"))
+            .await
+            .unwrap();
+        let e = keep_in_metadata(&unit(&disk), &disk, None)
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
+    }
+}

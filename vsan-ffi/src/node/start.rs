@@ -99,7 +99,7 @@ impl Node {
 
         ready_lines.extend(ready_lines_pre);
         // Every fallible step before any server task starts.
-        let portals = targets_of_portals(config, portals, &mut disks)?;
+        let portals = targets_of_portals(config, portals, &mut disks).await?;
         let served = serve_exports(exports, &mut disks, &mut ready_lines)?;
         let portals = portals.serve(&mut ready_lines);
         info!(
@@ -635,14 +635,16 @@ async fn bind_portals(config: &Config) -> Result<Vec<BoundPortal>, StartError> {
 /// Its identity comes from the mirror's disk id ([`DiskId::from_name`]: the disk's name,
 /// which both nodes of a mirrored disk carry and check against each other in the
 /// handshake), so both nodes report the same logical unit; its port, port group and
-/// portal group tag are this node's own ([`alua::relative_port`]). The SCSI state (persistent
-/// reservations, saved mode pages) is kept beside the disk's metadata, in
+/// portal group tag are this node's own ([`alua::relative_port`]). The reservation state
+/// of a mirrored disk is kept in its replica's metadata (`in_metadata`, see
+/// [`super::scsi_peer::keep_in_metadata`]); that of a local file disk in
 /// `data_dir/<name>.scsi-state`; a RAM disk keeps it in memory.
 fn logical_unit(
     config: &Config,
     d: &DiskSection,
     iqn: &str,
     device: Arc<dyn BlockDevice>,
+    in_metadata: bool,
 ) -> Result<Arc<LogicalUnit>, StartError> {
     let node = &config.node;
     let id = alua::relative_port(node.id, d.peer);
@@ -655,12 +657,18 @@ fn logical_unit(
         },
         read_only: false,
         state_file: match d.backing {
-            Backing::File => Some(node.data_dir.join(format!("{}.scsi-state", d.name))),
-            Backing::Mem => None,
+            Backing::File if !in_metadata => Some(scsi_state_file(config, d)),
+            Backing::File | Backing::Mem => None,
         },
     };
     LogicalUnit::new(device, lu_config)
         .map_err(|e| StartError::Runtime(format!("disk {}: iSCSI logical unit: {e}", d.name)))
+}
+
+/// Where a disk's SCSI state file is (a local disk's; a mirrored disk's before its
+/// replica's metadata kept it).
+fn scsi_state_file(config: &Config, d: &DiskSection) -> std::path::PathBuf {
+    config.node.data_dir.join(format!("{}.scsi-state", d.name))
 }
 
 /// The iSCSI servers of a node, one per portal, before they serve: each with its
@@ -683,7 +691,7 @@ struct ServedPortals {
 /// NBD serves (so a mirrored replica not yet proven current answers nothing here either:
 /// the mirror holds every request until it is). A portal beyond loopback with a target
 /// without CHAP logs a warning.
-fn targets_of_portals(
+async fn targets_of_portals(
     config: &Config,
     bound: Vec<BoundPortal>,
     disks: &mut [NodeDisk],
@@ -702,7 +710,16 @@ fn targets_of_portals(
                 continue;
             };
             let iqn = d.iscsi_target_name();
-            let lu = logical_unit(config, d, &iqn, Arc::clone(&disk.device))?;
+            let in_metadata = disk.mirror.as_ref().is_some_and(|m| m.has_scsi_area());
+            let lu = logical_unit(config, d, &iqn, Arc::clone(&disk.device), in_metadata)?;
+            if let (true, Some(mirror)) = (in_metadata, &disk.mirror) {
+                let old = (d.backing == Backing::File).then(|| scsi_state_file(config, d));
+                super::scsi_peer::keep_in_metadata(&lu, mirror, old.as_deref())
+                    .await
+                    .map_err(|e| {
+                        StartError::Runtime(format!("disk {}: SCSI state: {e}", d.name))
+                    })?;
+            }
             let own = lu.port().relative_id;
             if let (Some(mirror), Some(peer)) = (&disk.mirror, disk.peer_id) {
                 super::scsi_peer::MirrorPeer::link(mirror, &lu, config.node.id < peer);

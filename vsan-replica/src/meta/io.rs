@@ -52,19 +52,21 @@ pub struct Loaded {
 /// `{current: GEN_JUST_CREATED, bitmap: 0, history: [0, 0]}`, consistent, not crashed,
 /// clean shutdown), an empty activity log in both copies, a clear bitmap.
 ///
-/// `dev` must be exactly [`Layout::total_len`] bytes. The superblocks are written last,
+/// `dev` must be exactly [`Layout::total_len`] bytes, or
+/// [`Layout::total_len_with_scsi`] with the SCSI state area (left empty). The superblocks are written last,
 /// after a flush, so a crash part way leaves no valid superblock behind a half-written area.
 pub async fn create(dev: &dyn BlockDevice, p: &MetaParams) -> Result<Loaded> {
     let layout = check_params(p)?;
     check_device(dev, p)?;
     let size = dev.geometry().size();
-    if size != layout.total_len() {
+    if size != layout.total_len() && size != layout.total_len_with_scsi() {
         return Err(Error::new(
             ErrorKind::InvalidArgument,
             format!(
-                "{}: the device is {size} bytes, the layout needs {}",
+                "{}: the device is {size} bytes, the layout needs {} (or {} with the SCSI state area)",
                 what(p),
-                layout.total_len()
+                layout.total_len(),
+                layout.total_len_with_scsi()
             ),
         ));
     }
@@ -72,7 +74,8 @@ pub async fn create(dev: &dyn BlockDevice, p: &MetaParams) -> Result<Loaded> {
 
     let piece = max_piece(dev);
     let zeros = Bytes::from(vec![0u8; piece]);
-    let (mut at, end) = (layout.bitmap_offset(), layout.total_len());
+    // The bitmap, and the SCSI state area when there is one (empty slots).
+    let (mut at, end) = (layout.bitmap_offset(), size);
     while at < end {
         let n = (end - at).min(piece as u64);
         dev.write(at, zeros.slice(..n as usize), IoFlags::empty())
@@ -145,7 +148,7 @@ pub async fn open(dev: &dyn BlockDevice, p: &MetaParams) -> Result<Loaded> {
     check_device(dev, p)?;
     let have = dev.geometry().size();
     if have < 2 * META_BLOCK as u64 {
-        return Err(length_error(p, have, layout.total_len()));
+        return Err(length_error(p, have, &layout));
     }
     let io = |e: Error| e.context_prefix(what(p));
 
@@ -162,8 +165,8 @@ pub async fn open(dev: &dyn BlockDevice, p: &MetaParams) -> Result<Loaded> {
     }
     let superblock = newest(p, "superblock", copies)?;
     check_identity(p, &superblock)?;
-    if have != layout.total_len() {
-        return Err(length_error(p, have, layout.total_len()));
+    if have != layout.total_len() && have != layout.total_len_with_scsi() {
+        return Err(length_error(p, have, &layout));
     }
 
     let mut copies = Vec::with_capacity(2);
@@ -212,10 +215,12 @@ pub async fn open(dev: &dyn BlockDevice, p: &MetaParams) -> Result<Loaded> {
 /// not exist.
 ///
 /// A new file is built under a temporary name next to `path` (exactly
-/// [`Layout::total_len`] bytes, a [`FileDevice`](vsan_core::FileDevice) with 512-byte
-/// blocks), filled by [`create`], and renamed into place only when complete, so a crash
-/// during creation never leaves a half-made file at `path`. An existing file must be long
-/// enough to hold the superblocks before [`open`] reads it. Returns the device to keep
+/// [`Layout::total_len_with_scsi`] bytes, a [`FileDevice`](vsan_core::FileDevice) with
+/// 512-byte blocks), filled by [`create`], and renamed into place only when complete, so
+/// a crash during creation never leaves a half-made file at `path`. An existing file must
+/// be long enough to hold the superblocks before [`open`] reads it; one of
+/// [`Layout::total_len`] bytes (made before the SCSI state area existed) is grown by it
+/// first. Returns the device to keep
 /// writing metadata through, what was loaded, and whether the file was created.
 ///
 /// Called once when a disk starts; the file system calls here are blocking.
@@ -233,7 +238,17 @@ pub async fn open_or_create_file(
             // a block device reports 0 here and its size is checked by `open`.
             if m.is_file() && (len < 2 * META_BLOCK as u64 || len % u64::from(FILE_BLOCK_SIZE) != 0)
             {
-                return Err(at_path(length_error(p, len, layout.total_len())));
+                return Err(at_path(length_error(p, len, &layout)));
+            }
+            if m.is_file() && len == layout.total_len() {
+                // Made before the SCSI state area existed: grown by it (zeroes, empty
+                // slots) before it is opened; nothing already there moves.
+                grow_file(path, layout.total_len_with_scsi())?;
+                tracing::info!(
+                    disk = %p.disk_name,
+                    "metadata file {} grown by the SCSI state area",
+                    path.display()
+                );
             }
             let dev = opts.open(path)?;
             let loaded = open(&dev, p).await.map_err(at_path)?;
@@ -250,7 +265,10 @@ pub async fn open_or_create_file(
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                 Err(e) => return Err(Error::io(format!("remove {}", tmp.display()), e)),
             }
-            let dev = opts.clone().create(layout.total_len()).open(&tmp)?;
+            let dev = opts
+                .clone()
+                .create(layout.total_len_with_scsi())
+                .open(&tmp)?;
             let loaded = match create(&dev, p).await {
                 Ok(l) => l,
                 Err(e) => {
@@ -269,6 +287,17 @@ pub async fn open_or_create_file(
         }
         Err(e) => Err(Error::io(format!("stat {}", path.display()), e)),
     }
+}
+
+/// Extend the file at `path` to `len` bytes (zeroes) and make the new length durable.
+fn grow_file(path: &Path, len: u64) -> Result<()> {
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .map_err(|e| Error::io(format!("open {}", path.display()), e))?;
+    f.set_len(len)
+        .and_then(|()| f.sync_all())
+        .map_err(|e| Error::io(format!("grow {}", path.display()), e))
 }
 
 /// Writes `sb` to its copy (`sb.seq % 2`); durable when it returns.
@@ -364,7 +393,8 @@ fn max_piece(dev: &dyn BlockDevice) -> usize {
     (max / META_BLOCK * META_BLOCK).max(META_BLOCK)
 }
 
-fn length_error(p: &MetaParams, have: u64, need: u64) -> Error {
+fn length_error(p: &MetaParams, have: u64, layout: &Layout) -> Error {
+    let need = layout.total_len();
     let msg = if have < need {
         format!(
             "{} is truncated: {have} bytes, the layout needs {need}",
@@ -372,8 +402,9 @@ fn length_error(p: &MetaParams, have: u64, need: u64) -> Error {
         )
     } else {
         format!(
-            "{} is {have} bytes, longer than the {need} its layout needs",
-            what(p)
+            "{} is {have} bytes: its layout needs {need}, or {} with the SCSI state area",
+            what(p),
+            layout.total_len_with_scsi()
         )
     };
     Error::new(ErrorKind::Corrupt, msg)

@@ -117,6 +117,18 @@ impl Layout {
         self.bitmap_offset() + self.bitmap_blocks() as u64 * META_BLOCK as u64
     }
 
+    /// Offset of the SCSI state copy that the record with `seq` goes to (after the
+    /// bitmap; see [`super::scsi`]).
+    pub fn scsi_offset(&self, seq: u64) -> u64 {
+        self.total_len() + (seq % 2) * super::scsi::SCSI_COPY_LEN as u64
+    }
+
+    /// Bytes of a metadata area with the SCSI state area: [`Layout::total_len`] and
+    /// its two copies.
+    pub fn total_len_with_scsi(&self) -> u64 {
+        self.total_len() + 2 * super::scsi::SCSI_COPY_LEN as u64
+    }
+
     /// `(offset, len)` of `chunk` on the disk; the last chunk is clipped to the disk size,
     /// and a chunk past the end has length 0.
     pub fn chunk_range(&self, chunk: u64) -> (u64, u64) {

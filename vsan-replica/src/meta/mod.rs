@@ -22,6 +22,7 @@
 //! | 8192                    | `al_len` (12288)          | activity log copy 0 (even seq) |
 //! | 8192 + `al_len`         | `al_len`                  | activity log copy 1 (odd seq)  |
 //! | 8192 + 2 × `al_len`     | `bitmap_blocks` × 4096    | bitmap                      |
+//! | [`Layout::total_len`]   | 2 × [`SCSI_COPY_LEN`]     | SCSI state, two copies (optional; see [`scsi`]) |
 //!
 //! # Superblock (one [`META_BLOCK`], integers little-endian)
 //!
@@ -91,6 +92,7 @@ mod al;
 mod bitmap;
 mod io;
 mod layout;
+pub mod scsi;
 mod superblock;
 #[cfg(test)]
 mod tests;
@@ -102,6 +104,10 @@ pub use io::{
     write_superblock,
 };
 pub use layout::Layout;
+pub use scsi::{
+    SCSI_COPY_LEN, SCSI_STATE_MAX, ScsiArea, decode_scsi, encode_scsi, has_scsi_area,
+    read_scsi_area, write_scsi_area,
+};
 pub use superblock::Superblock;
 
 /// The unit of every metadata write, in bytes.

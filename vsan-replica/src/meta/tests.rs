@@ -144,7 +144,13 @@ async fn truncated_and_longer_metadata_is_corrupt() {
     let long = copy_to(&dev, 36864, 40960).await;
     let (kind, msg) = open_err(&long, &params()).await;
     assert_eq!(kind, ErrorKind::Corrupt);
-    assert!(msg.contains("40960 bytes, longer than the 36864"), "{msg}");
+    assert!(
+        msg.contains(&format!(
+            "is 40960 bytes: its layout needs 36864, or {} with the SCSI state area",
+            36864 + 2 * SCSI_COPY_LEN
+        )),
+        "{msg}"
+    );
 }
 
 #[tokio::test]
@@ -309,7 +315,11 @@ mod file {
         let p = params();
         let (dev, made, created) = open_or_create_file(&path, &p).await.unwrap();
         assert!(created);
-        assert_eq!(std::fs::metadata(&path).unwrap().len(), 36864);
+        // The core area and the SCSI state area's two copies.
+        assert_eq!(
+            std::fs::metadata(&path).unwrap().len(),
+            36864 + 2 * SCSI_COPY_LEN as u64
+        );
         assert_eq!(dev.geometry().block_size(), 512);
         assert_eq!(made.superblock.seq, 1);
         // Nothing left under the temporary name.
@@ -382,5 +392,142 @@ mod file {
         let (_dev, _, created) = open_or_create_file(&path, &params()).await.unwrap();
         assert!(created);
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_file_made_before_the_scsi_state_area_is_grown_and_keeps_its_contents() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("vol0.meta");
+        let p = params();
+        let (dev, made, _) = open_or_create_file(&path, &p).await.unwrap();
+        let mut bm = made.bitmap.clone();
+        bm.set(7);
+        write_bitmap_block(dev.as_ref(), &made.layout, &bm, 0)
+            .await
+            .unwrap();
+        drop(dev);
+        // As an older version left it: the core area only.
+        let core = made.layout.total_len();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len(core)
+            .unwrap();
+        let (dev, got, created) = open_or_create_file(&path, &p).await.unwrap();
+        assert!(!created);
+        assert_eq!(
+            got.bitmap.runs(),
+            vec![(7, 1)],
+            "the bitmap is where it was"
+        );
+        assert_eq!(
+            std::fs::metadata(&path).unwrap().len(),
+            made.layout.total_len_with_scsi()
+        );
+        let mut area = read_scsi_area(dev.as_ref(), &got.layout).await.unwrap();
+        assert_eq!(area, ScsiArea::default(), "grown empty");
+        write_scsi_area(
+            dev.as_ref(),
+            &got.layout,
+            &mut area,
+            Bytes::from_static(b"state"),
+        )
+        .await
+        .unwrap();
+        drop(dev);
+        let (dev, got, _) = open_or_create_file(&path, &p).await.unwrap();
+        let area = read_scsi_area(dev.as_ref(), &got.layout).await.unwrap();
+        assert_eq!(area.state.as_deref(), Some(&b"state"[..]));
+    }
+}
+
+mod scsi_area {
+    use super::*;
+
+    async fn with_area() -> (MemDevice, Layout) {
+        let p = params();
+        let l = Layout::new(p.size, p.chunk_size);
+        let dev = device(l.total_len_with_scsi());
+        create(&dev, &p).await.unwrap();
+        (dev, l)
+    }
+
+    #[test]
+    fn records_round_trip_and_damage_is_told_from_an_empty_slot() {
+        let c = encode_scsi(5, b"hello").unwrap();
+        assert_eq!(c.len(), SCSI_COPY_LEN);
+        assert_eq!(
+            decode_scsi(&c).unwrap(),
+            Some((5, Bytes::from_static(b"hello")))
+        );
+        assert_eq!(decode_scsi(&vec![0u8; SCSI_COPY_LEN]).unwrap(), None);
+        for at in [0, 8, 16, 30, SCSI_COPY_LEN - 1] {
+            let mut b = c.to_vec();
+            b[at] ^= 0x40;
+            assert_eq!(
+                decode_scsi(&b).unwrap_err().kind(),
+                ErrorKind::Corrupt,
+                "byte {at}"
+            );
+        }
+        assert!(decode_scsi(&c[..100]).is_err());
+        let big = vec![1u8; SCSI_STATE_MAX + 1];
+        assert_eq!(encode_scsi(1, &big).unwrap_err().kind(), ErrorKind::NoSpace);
+        assert!(encode_scsi(1, &big[..SCSI_STATE_MAX]).is_ok());
+    }
+
+    #[tokio::test]
+    async fn copies_alternate_and_a_torn_newest_falls_back_to_the_older() {
+        let (dev, l) = with_area().await;
+        let mut area = read_scsi_area(&dev, &l).await.unwrap();
+        assert_eq!(area, ScsiArea::default(), "created empty");
+        for (i, s) in [&b"one"[..], b"two", b"three"].iter().enumerate() {
+            write_scsi_area(&dev, &l, &mut area, Bytes::copy_from_slice(s))
+                .await
+                .unwrap();
+            assert_eq!(area.seq, i as u64 + 1);
+            assert_eq!(read_scsi_area(&dev, &l).await.unwrap(), area);
+        }
+        // Seq 3 went to copy 1; tear it: seq 2 ("two") in copy 0 holds.
+        patch(&dev, l.scsi_offset(3), 512, |b| b[30] ^= 1).await;
+        let got = read_scsi_area(&dev, &l).await.unwrap();
+        assert_eq!((got.seq, got.state.as_deref()), (2, Some(&b"two"[..])));
+        // Both damaged: refused, never read as empty.
+        patch(&dev, l.scsi_offset(2), 512, |b| b[0] ^= 1).await;
+        let e = read_scsi_area(&dev, &l).await.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Corrupt);
+        // The core metadata opens regardless.
+        open(&dev, &params()).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn the_only_written_copy_damaged_is_refused() {
+        let (dev, l) = with_area().await;
+        let mut area = ScsiArea::default();
+        write_scsi_area(&dev, &l, &mut area, Bytes::from_static(b"x"))
+            .await
+            .unwrap();
+        patch(&dev, l.scsi_offset(1), 512, |b| b[40] ^= 1).await;
+        let e = read_scsi_area(&dev, &l).await.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
+        assert!(e.to_string().contains("only written copy"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn metadata_without_the_area_reads_empty_and_refuses_a_save() {
+        let (dev, loaded) = created().await;
+        let l = loaded.layout;
+        assert!(!has_scsi_area(&dev, &l));
+        assert_eq!(read_scsi_area(&dev, &l).await.unwrap(), ScsiArea::default());
+        let mut area = ScsiArea::default();
+        let e = write_scsi_area(&dev, &l, &mut area, Bytes::from_static(b"x"))
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::NoSpace);
+        assert_eq!(area, ScsiArea::default(), "unchanged on error");
+        // A length that is neither is refused by open, as before.
+        let odd = copy_to(&dev, l.total_len(), l.total_len() + 4096).await;
+        assert_eq!(open_err(&odd, &params()).await.0, ErrorKind::Corrupt);
     }
 }

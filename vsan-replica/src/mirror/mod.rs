@@ -178,6 +178,26 @@ pub struct MirroredDisk {
     status: watch::Receiver<MirrorStatus>,
     progress: Arc<parking_lot::Mutex<Option<SyncProgress>>>,
     scsi: ScsiSlot,
+    scsi_area: Arc<ScsiAreaStore>,
+}
+
+/// The SCSI state area of this replica's metadata ([`MirroredDisk::save_scsi_state`]):
+/// written beside the driver's metadata writes, at offsets of its own.
+struct ScsiAreaStore {
+    meta: Arc<dyn BlockDevice>,
+    layout: meta::Layout,
+    /// What the area holds, read on first use; writes are serialised here.
+    area: tokio::sync::Mutex<Option<meta::ScsiArea>>,
+}
+
+impl ScsiAreaStore {
+    async fn loaded(&self) -> Result<tokio::sync::MutexGuard<'_, Option<meta::ScsiArea>>> {
+        let mut area = self.area.lock().await;
+        if area.is_none() {
+            *area = Some(meta::read_scsi_area(self.meta.as_ref(), &self.layout).await?);
+        }
+        Ok(area)
+    }
 }
 
 /// Where the driver finds the SCSI handler: held weakly, so that a handler that holds
@@ -248,6 +268,7 @@ impl MirroredDisk {
         #[cfg(feature = "failpoints")]
         let points = crate::failpoints::Site::new(cfg.node_id, &replica.loaded.layout);
         let (commands, rx) = mpsc::unbounded_channel();
+        let layout = replica.loaded.layout;
         let endpoint = Endpoint::new(cfg, replica.loaded, Instant::now());
         // A replica that lost data before the mirror started is no more trusted than one
         // that loses it later: the first turn sees the count above 0 and resyncs it.
@@ -267,6 +288,11 @@ impl MirroredDisk {
             let (tx, rx) = mpsc::unbounded_channel();
             handle.spawn(witness_worker(w, name.to_string(), rx, quorum_tx.clone()));
             tx
+        });
+        let scsi_area = Arc::new(ScsiAreaStore {
+            meta: Arc::clone(&replica.meta),
+            layout,
+            area: tokio::sync::Mutex::new(None),
         });
         let driver = Driver {
             name: Arc::clone(&name),
@@ -306,7 +332,38 @@ impl MirroredDisk {
             status,
             progress,
             scsi,
+            scsi_area,
         })
+    }
+
+    /// The SCSI state saved in this replica's metadata ([`Self::save_scsi_state`]):
+    /// `None` when none was saved (or the metadata has no room for it). Bytes as the
+    /// SCSI layer encoded them; the mirror does not read them.
+    pub async fn scsi_state(&self) -> Result<Option<Bytes>> {
+        let area = self.scsi_area.loaded().await?;
+        Ok(area.as_ref().and_then(|a| a.state.clone()))
+    }
+
+    /// Keep `state` (the SCSI layer's reservation state of the unit over this disk) in
+    /// this replica's metadata, durably: two copies written alternately, so a crash
+    /// during the write leaves the previous state. The state travels with the
+    /// replica; which node's state stands after a separation follows the handshake's
+    /// decision about the data ([`MirrorStatus::link_role`]), settled by the SCSI layer.
+    /// Fails with [`ErrorKind::NoSpace`] when the metadata has no room for it (a
+    /// metadata device made before the area existed that cannot grow) or the state is
+    /// larger than [`meta::SCSI_STATE_MAX`].
+    pub async fn save_scsi_state(&self, state: Bytes) -> Result<()> {
+        let store = &self.scsi_area;
+        let mut area = store.loaded().await?;
+        let a = area.get_or_insert_with(meta::ScsiArea::default);
+        meta::write_scsi_area(store.meta.as_ref(), &store.layout, a, state)
+            .await
+            .map_err(|e| e.context_prefix(format!("disk {}: SCSI state", self.name)))
+    }
+
+    /// Whether this replica's metadata has room for the SCSI state.
+    pub fn has_scsi_area(&self) -> bool {
+        meta::has_scsi_area(self.scsi_area.meta.as_ref(), &self.scsi_area.layout)
     }
 
     /// Set the handler of the peer's SCSI calls (held weakly: the caller keeps it
