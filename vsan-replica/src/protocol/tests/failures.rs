@@ -171,12 +171,7 @@ fn resync_io_of_an_earlier_link_is_not_sent_on_a_later_one() {
     assert_eq!(p.n[1].result_of(w), Some(&Ok(None)));
     p.connect();
     p.run_except(0, hold);
-    let k = p.n[0]
-        .io
-        .iter()
-        .position(|io| local_op(io) == hold)
-        .unwrap();
-    p.complete_io(0, k);
+    p.complete_op(0, hold);
     p.run();
     assert_eq!(&p.n[1].disk[..4096], &fill(0x5b, 4096)[..], "B lost W");
     assert_eq!(&p.n[0].disk[..4096], &fill(0x5b, 4096)[..], "A lacks W");
@@ -199,12 +194,7 @@ fn a_write_resent_after_a_flap_does_not_block_later_writes() {
     p.cut();
     p.connect();
     p.run_except(0, hold);
-    let k = p.n[0]
-        .io
-        .iter()
-        .position(|io| local_op(io) == hold)
-        .unwrap();
-    p.complete_io(0, k);
+    p.complete_op(0, hold);
     p.run();
     assert_eq!(p.n[1].result_of(w), Some(&Ok(None)));
     let a = p.write(0, 0, fill(0x31, 512), false);
@@ -466,12 +456,7 @@ fn a_flush_completing_alone_holds_the_hello_back_so_no_generation_moves_while_co
         LinkState::Connected,
         "connected while a flush made alone is in flight"
     );
-    let k = p.n[0]
-        .io
-        .iter()
-        .position(|io| local_op(io) == hold)
-        .unwrap();
-    p.complete_io(0, k);
+    p.complete_op(0, hold);
     p.run();
     assert_eq!(p.n[0].result_of(f), Some(&Ok(None)));
     assert_eq!(p.n[0].ep.state(), LinkState::Connected);

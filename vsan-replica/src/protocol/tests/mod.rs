@@ -384,6 +384,16 @@ impl Pair {
         self.run_where(|i, io| !(i == node && local_op(io) == hold));
     }
 
+    /// Complete node `node`'s pending local op `op` (held back by [`Self::run_except`]).
+    fn complete_op(&mut self, node: usize, op: LocalOpId) {
+        let k = self.n[node]
+            .io
+            .iter()
+            .position(|io| local_op(io) == op)
+            .expect("the held op is pending");
+        self.complete_io(node, k);
+    }
+
     pub(super) fn cut(&mut self) {
         let now = self.now;
         for n in &mut self.n {
