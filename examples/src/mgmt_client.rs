@@ -339,6 +339,7 @@ pub fn disk_json(s: &v1::DiskStatus) -> Value {
         "local_data_lost": s.local_data_lost,
         "freshness": text_or_null(&s.freshness),
         "freshness_proof": text_or_null(&s.freshness_proof),
+        "link_role": text_or_null(&s.link_role),
         "awaiting": text_or_null(&s.awaiting),
         "unproven_since_unix_ms": if s.unproven_since_unix_ms > 0 {
             json!(s.unproven_since_unix_ms)
@@ -619,6 +620,15 @@ pub fn status_details(s: &v1::DiskStatus) -> String {
         );
     } else if s.freshness == "current" {
         out += &format!("freshness:    current (proved by: {})\n", s.freshness_proof);
+    }
+    match s.link_role.as_str() {
+        "source" => {
+            out += "link role:    resync source (this link's handshake found this replica newer)\n"
+        }
+        "target" => {
+            out += "link role:    resync target (this link's handshake found the peer's replica newer)\n"
+        }
+        _ => {}
     }
     out += &iscsi_lines(s);
     if let Some(l) = &s.last_sync {

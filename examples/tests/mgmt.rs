@@ -226,6 +226,9 @@ fn status_degraded_and_watch_of_the_resync_after_the_peer_comes_back() {
         assert_eq!(s["last_sync"]["kind"], "checksum", "{s:#}");
         assert_eq!(s["last_sync"]["role"], role, "{s:#}");
         assert_eq!(s["last_sync"]["completed"], true, "{s:#}");
+        // The link's handshake decision holds for the life of the link (the first
+        // full sync came from node 1).
+        assert_eq!(s["link_role"], role, "{s:#}");
         assert!(
             s["nbd"]
                 .as_str()
@@ -267,6 +270,7 @@ fn status_degraded_and_watch_of_the_resync_after_the_peer_comes_back() {
     n2.stop(Sig::KILL);
     let s = wait_status(&m1, "degraded", |s| s["link"] == "degraded");
     assert_eq!(s["transport"], Value::Null, "{s:#}");
+    assert_eq!(s["link_role"], Value::Null, "no link, no role: {s:#}");
     let table = vsanctl_ok(&m1, &["status"]).stdout;
     assert!(table.contains("degraded (peer 2)"), "{table}");
     // Writes while it is away: the whole disk, so the resync has 8 MiB to copy.

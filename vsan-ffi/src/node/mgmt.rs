@@ -278,6 +278,13 @@ pub(crate) fn status_of(d: &NodeDisk) -> v1::DiskStatus {
         }
         .into();
         s.suspended = st.suspended;
+        s.link_role = match (st.link, st.link_role) {
+            (LinkState::Connected, Some(SyncRole::Source)) => "source",
+            (LinkState::Connected, Some(SyncRole::Target)) => "target",
+            (LinkState::Connected, None) => "in-sync",
+            _ => "",
+        }
+        .into();
         s.sync_number = st.last_sync_start.map_or(0, |x| x.number);
         s.last_problem = st.last_problem.clone().unwrap_or_default();
         s.local_data_lost = st.local_data_lost;
