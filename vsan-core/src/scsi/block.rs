@@ -338,7 +338,7 @@ impl LogicalUnit {
                 Fail::Check(sense::from_error(e.kind(), Access::Write))
             })
         };
-        let admitted = self.admitted_link();
+        let admitted = self.peer_link_id();
         let resolver = self.peer().is_some_and(|p| p.is_resolver());
         let early = if resolver {
             Some(peer_lock().await?)

@@ -358,7 +358,7 @@ impl LogicalUnit {
         let alone = raw.and_then(|_| self.pr_out_alone());
         // The link it is applied on (a forwarded one: the link it came on).
         let raw = raw.map(|(cdb, data, token, came_on)| {
-            (cdb, data, token, came_on.or(Some(self.admitted_link())))
+            (cdb, data, token, came_on.or(Some(self.peer_link_id())))
         });
         if let Some(peer) = &alone
             && fx.changed

@@ -460,32 +460,40 @@ pub struct Aborts {
     pub cleared: bool,
 }
 
+/// The reservation state saved in the state file at `path` (as saved: before the power
+/// on of a start); `None` when there is no such file. A file that does not decode is an
+/// [`ErrorKind::Corrupt`] error.
+pub fn read_state_file(path: &std::path::Path) -> Result<Option<PrState>> {
+    match std::fs::read(path) {
+        Ok(bytes) => PrState::decode(&bytes).map(Some).map_err(|e| {
+            Error::with_source(
+                ErrorKind::Corrupt,
+                format!("SCSI state file {}", path.display()),
+                e,
+            )
+        }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(Error::io(
+            format!("read SCSI state file {}", path.display()),
+            e,
+        )),
+    }
+}
+
 impl LogicalUnit {
     /// A logical unit over `device`; loads the state file when there is one (a file
     /// that does not decode is an [`ErrorKind::Corrupt`] error).
     pub fn new(device: Arc<dyn BlockDevice>, config: LuConfig) -> Result<Arc<LogicalUnit>> {
         let mut pr = PrState::new();
-        if let Some(path) = &config.state_file {
-            match std::fs::read(path) {
-                Ok(bytes) => {
-                    pr = PrState::decode(&bytes).map_err(|e| {
-                        Error::with_source(
-                            ErrorKind::Corrupt,
-                            format!("SCSI state file {}", path.display()),
-                            e,
-                        )
-                    })?;
-                    // A power on: only APTPL state survives it.
-                    pr.power_on();
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => {
-                    return Err(Error::io(
-                        format!("read SCSI state file {}", path.display()),
-                        e,
-                    ));
-                }
-            }
+        if let Some(saved) = config
+            .state_file
+            .as_deref()
+            .map(read_state_file)
+            .transpose()?
+        {
+            pr = saved.unwrap_or_default();
+            // A power on: only APTPL state survives it.
+            pr.power_on();
         }
         let geometry = device.geometry();
         let groups = vec![PortGroup {

@@ -474,7 +474,7 @@ impl LogicalUnit {
                 data,
                 token,
             } => {
-                let link = self.admitted_link();
+                let link = self.peer_link_id();
                 let r = async {
                     let op = PrOut::decode(&cdb, &data).map_err(PrError::Check)?;
                     self.apply_pr_out(&from, None, &op, Some((&cdb, &data, token, Some(link))))
@@ -903,9 +903,9 @@ impl LogicalUnit {
         }))
     }
 
-    /// The link to the other node a command is admitted on (its reservation checked):
-    /// [`ScsiPeer::link_id`], 0 with no peer or none connected.
-    pub(super) fn admitted_link(&self) -> u64 {
+    /// The link to the other node now ([`ScsiPeer::link_id`]; 0 with no peer or none
+    /// connected): what a command is admitted on when its reservation is checked.
+    pub(super) fn peer_link_id(&self) -> u64 {
         self.peer.read().as_ref().map_or(0, |p| p.link_id())
     }
 
@@ -917,7 +917,7 @@ impl LogicalUnit {
     /// fences the initiator, and what it sent before must not land after the fence.
     /// The retry is checked against the state the two settle on.
     pub(super) fn same_link(&self, admitted: u64) -> std::result::Result<(), super::exec::Fail> {
-        let now = self.admitted_link();
+        let now = self.peer_link_id();
         if now != 0 && now != admitted {
             warn!(
                 "a write admitted before the link to the other node came back is refused \
@@ -938,7 +938,7 @@ impl LogicalUnit {
         if let Some(held) = self.locks.try_shared(lba, blocks) {
             return Ok(held);
         }
-        let admitted = self.admitted_link();
+        let admitted = self.peer_link_id();
         let held = self.locks.shared(lba, blocks).await;
         self.same_link(admitted)?;
         Ok(held)

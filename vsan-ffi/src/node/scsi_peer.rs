@@ -128,33 +128,25 @@ pub(super) async fn keep_in_metadata(
     disk: &MirroredDisk,
     old_file: Option<&std::path::Path>,
 ) -> vsan_core::Result<()> {
-    use vsan_core::scsi::PrState;
-    let decode = |what: &str, b: &[u8]| {
-        PrState::decode(b).map_err(|e| {
+    let saved = match disk.scsi_state().await? {
+        Some(b) => Some(vsan_core::scsi::PrState::decode(&b).map_err(|e| {
             vsan_core::Error::with_source(
                 ErrorKind::Corrupt,
-                format!("disk {}: the SCSI state in {what}", disk.name()),
+                format!("disk {}: the SCSI state in the metadata", disk.name()),
                 e,
             )
-        })
+        })?),
+        None => None,
     };
-    let mut migrated = None;
-    let state = match disk.scsi_state().await? {
-        Some(b) => Some(decode("the metadata", &b)?),
-        None => match old_file.map(std::fs::read) {
-            Some(Ok(b)) => {
-                let path = old_file.expect("read from it");
-                migrated = Some(path);
-                Some(decode(&path.display().to_string(), &b)?)
-            }
-            Some(Err(e)) if e.kind() != std::io::ErrorKind::NotFound => {
-                return Err(vsan_core::Error::io(
-                    format!("read {}", old_file.expect("read from it").display()),
-                    e,
-                ));
-            }
-            _ => None,
-        },
+    // The first start after an older version: its state file, moved into the metadata.
+    let (state, migrated) = match (saved, old_file) {
+        (Some(s), _) => (Some(s), None),
+        (None, Some(path)) => {
+            let s = vsan_core::scsi::read_state_file(path)?;
+            let moved = s.is_some().then_some(path);
+            (s, moved)
+        }
+        (None, None) => (None, None),
     };
     lu.set_pr_store(Arc::new(MetadataStore { disk: disk.clone() }));
     if let Some(mut state) = state {

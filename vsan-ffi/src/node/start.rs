@@ -710,9 +710,15 @@ async fn targets_of_portals(
                 continue;
             };
             let iqn = d.iscsi_target_name();
-            let in_metadata = disk.mirror.as_ref().is_some_and(|m| m.has_scsi_area());
-            let lu = logical_unit(config, d, &iqn, Arc::clone(&disk.device), in_metadata)?;
-            if let (true, Some(mirror)) = (in_metadata, &disk.mirror) {
+            let keeps_state = disk.mirror.as_ref().filter(|m| m.has_scsi_area());
+            let lu = logical_unit(
+                config,
+                d,
+                &iqn,
+                Arc::clone(&disk.device),
+                keeps_state.is_some(),
+            )?;
+            if let Some(mirror) = keeps_state {
                 let old = (d.backing == Backing::File).then(|| scsi_state_file(config, d));
                 super::scsi_peer::keep_in_metadata(&lu, mirror, old.as_deref())
                     .await

@@ -191,12 +191,15 @@ struct ScsiAreaStore {
 }
 
 impl ScsiAreaStore {
-    async fn loaded(&self) -> Result<tokio::sync::MutexGuard<'_, Option<meta::ScsiArea>>> {
+    /// The area, read on the first call.
+    async fn loaded(&self) -> Result<tokio::sync::MappedMutexGuard<'_, meta::ScsiArea>> {
         let mut area = self.area.lock().await;
         if area.is_none() {
             *area = Some(meta::read_scsi_area(self.meta.as_ref(), &self.layout).await?);
         }
-        Ok(area)
+        Ok(tokio::sync::MutexGuard::map(area, |a| {
+            a.get_or_insert_with(meta::ScsiArea::default)
+        }))
     }
 }
 
@@ -340,8 +343,7 @@ impl MirroredDisk {
     /// `None` when none was saved (or the metadata has no room for it). Bytes as the
     /// SCSI layer encoded them; the mirror does not read them.
     pub async fn scsi_state(&self) -> Result<Option<Bytes>> {
-        let area = self.scsi_area.loaded().await?;
-        Ok(area.as_ref().and_then(|a| a.state.clone()))
+        Ok(self.scsi_area.loaded().await?.state.clone())
     }
 
     /// Keep `state` (the SCSI layer's reservation state of the unit over this disk) in
@@ -355,8 +357,7 @@ impl MirroredDisk {
     pub async fn save_scsi_state(&self, state: Bytes) -> Result<()> {
         let store = &self.scsi_area;
         let mut area = store.loaded().await?;
-        let a = area.get_or_insert_with(meta::ScsiArea::default);
-        meta::write_scsi_area(store.meta.as_ref(), &store.layout, a, state)
+        meta::write_scsi_area(store.meta.as_ref(), &store.layout, &mut area, state)
             .await
             .map_err(|e| e.context_prefix(format!("disk {}: SCSI state", self.name)))
     }

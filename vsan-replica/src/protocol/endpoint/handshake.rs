@@ -480,17 +480,15 @@ impl Endpoint {
     fn fail_fenced_writes(&mut self, now: Instant, from: Instant) {
         let started: Vec<RequestId> = self.unsent.drain(..).collect();
         let waiting = self.fail_held_writes(|submitted| submitted < from, ErrorKind::NoQuorum);
-        for req in &started {
-            let Some(w) = self.own_writes.get_mut(req) else {
+        for &req in &started {
+            let Some(w) = self.own_writes.get_mut(&req) else {
                 continue;
             };
             w.fenced = true;
             w.remote = Remote::Skipped;
             let range = Range::new(w.offset, w.payload.len());
             self.mark_unmirrored(range, false);
-        }
-        for req in &started {
-            self.finish_own_write(now, *req);
+            self.finish_own_write(now, req);
         }
         if !started.is_empty() || waiting > 0 {
             warn!(

@@ -263,16 +263,10 @@ impl Endpoint {
         if bits_pending {
             return;
         }
-        if fenced {
-            self.own_writes.remove(&req);
-            self.events.push_back(Event::Completed {
-                request: req,
-                result: Err(ErrorKind::NoQuorum),
-            });
-            return;
-        }
         let mirrored = remote == Some(Status::Ok);
         let result = match local {
+            // Its chunks were marked when it was fenced (`fail_fenced_writes`).
+            _ if fenced => Err(ErrorKind::NoQuorum),
             Ok(()) if mirrored => Ok(()),
             // Local replica detached; the peer holds the data. Acknowledged once the
             // metadata says, durably, that the replica is not to be trusted: a restart
