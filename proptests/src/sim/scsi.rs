@@ -86,8 +86,9 @@ pub(crate) type Reply = oneshot::Sender<Result<Option<Bytes>, ErrorKind>>;
 
 /// What a node's unit and the simulation exchange.
 pub(crate) struct Shared {
-    /// Requests for the node's endpoint, in the order the unit made them.
-    pub io: VecDeque<(IoReq, Reply)>,
+    /// Requests for the node's endpoint, in the order the unit made them, with the
+    /// executor's task that made each.
+    pub io: VecDeque<(IoReq, Reply, u64)>,
     /// Tasks the unit spawned.
     pub spawned: Vec<BackgroundTask>,
     /// The mirror link as the unit sees it (set by the simulation after each step).
@@ -103,7 +104,8 @@ fn request(
     req: IoReq,
 ) -> impl Future<Output = vsan_core::Result<Option<Bytes>>> + use<> {
     let (tx, rx) = oneshot::channel();
-    shared.lock().unwrap().io.push_back((req, tx));
+    let task = POLLING.with(std::cell::Cell::get);
+    shared.lock().unwrap().io.push_back((req, tx, task));
     async move {
         match rx.await {
             Ok(Ok(b)) => Ok(b),
@@ -372,6 +374,12 @@ pub(crate) enum Out {
 
 type Task = Pin<Box<dyn Future<Output = Out>>>;
 
+thread_local! {
+    /// The id of the task [`Exec::run_once`] polls now (0: none), for the requests it
+    /// makes (a seed runs on one thread).
+    static POLLING: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
 struct Woken {
     id: u64,
     set: Arc<Mutex<BTreeSet<u64>>>,
@@ -392,11 +400,12 @@ pub(crate) struct Exec {
 }
 
 impl Exec {
-    /// Run `f` as a task of node `node`.
-    pub fn spawn(&mut self, node: usize, f: impl Future<Output = Out> + 'static) {
+    /// Run `f` as a task of node `node`; returns its id.
+    pub fn spawn(&mut self, node: usize, f: impl Future<Output = Out> + 'static) -> u64 {
         self.next += 1;
         self.tasks.insert(self.next, (node, Box::pin(f)));
         self.woken.lock().unwrap().insert(self.next);
+        self.next
     }
 
     /// Drop every task of node `node` (it crashed).
@@ -429,7 +438,10 @@ impl Exec {
                 id,
                 set: self.woken.clone(),
             }));
-            if let Poll::Ready(out) = task.as_mut().poll(&mut Context::from_waker(&waker)) {
+            POLLING.with(|p| p.set(id));
+            let polled = task.as_mut().poll(&mut Context::from_waker(&waker));
+            POLLING.with(|p| p.set(0));
+            if let Poll::Ready(out) = polled {
                 self.tasks.remove(&id);
                 outs.push(out);
             }
@@ -813,9 +825,34 @@ pub(crate) struct World {
     pub caw_wins: HashMap<(u64, u64), (Duration, Duration)>,
     /// Writes and CAWs acknowledged GOOD: initiator, node id, submitted, ended.
     pub acked: Vec<(usize, u32, Duration, Duration)>,
+    /// Each initiator command's executor task: its node and token.
+    pub task_cmd: HashMap<u64, (usize, u64)>,
+    /// The lock windows of writes and CAWs (check 11), by command token.
+    pub windows: BTreeMap<u64, Window>,
+    /// Orders the windows' starts and ends.
+    pub seq: u64,
     /// Counters: CAWs that won, that miscompared; writes refused for a conflict; PR OUTs
     /// acknowledged.
     pub stats: Stats,
+}
+
+/// What a write or a CAW holds its stripes over, as the endpoint sees it: from its first
+/// request (a write's WRITE, a CAW's READ) to the command's end. A CAW that succeeded
+/// must not overlap any other command's window on its sector: on the same node the
+/// stripe lock excludes it, across the nodes the ownership of the stripe does, while
+/// both mirror on one link (check 11).
+#[derive(Debug, Clone)]
+pub(crate) struct Window {
+    /// The node the command came in on.
+    pub node: usize,
+    /// Its sectors.
+    pub sectors: (u64, u64),
+    /// A COMPARE AND WRITE.
+    pub caw: bool,
+    /// Start and end (`World::seq`; `None` while it runs).
+    pub span: (u64, Option<u64>),
+    /// The simulation's link at the start, if both nodes mirrored on it.
+    pub together: Option<u64>,
 }
 
 /// What the SCSI side did in a run.
@@ -988,12 +1025,14 @@ impl Sim {
         let Some(u) = self.nodes[n].unit.as_ref() else {
             return Ok(false);
         };
-        let reqs: Vec<(IoReq, Reply)> = u.shared.lock().unwrap().io.drain(..).collect();
+        let reqs: Vec<(IoReq, Reply, u64)> = u.shared.lock().unwrap().io.drain(..).collect();
         if reqs.is_empty() {
             return Ok(false);
         }
         let now = self.now();
-        for (req, reply) in reqs {
+        let together = self.together();
+        for (req, reply, task) in reqs {
+            self.open_window(n, &req, task, together);
             let Some(ep) = self.nodes[n].ep.as_mut() else {
                 let _ = reply.send(Err(ErrorKind::Closed));
                 continue;
@@ -1079,6 +1118,8 @@ impl Sim {
                 else {
                     return Err(format!("a command ended that was not in flight ({token})"));
                 };
+                let good = response.as_ref().is_some_and(|r| r.status == Status::Good);
+                self.close_window(token, good)?;
                 self.cmd_done(node, c, response)
             }
         }
@@ -1095,6 +1136,10 @@ impl Sim {
         self.nodes[n].lu_requests.clear();
         let id = self.nodes[n].id;
         let lost = std::mem::take(&mut w.cmds[n]);
+        for token in lost.keys() {
+            self.close_window(*token, false)?;
+        }
+        let w = self.world.as_mut().expect("a SCSI run");
         for (_, c) in lost {
             match c.cmd {
                 Cmd::Write { hist, .. } | Cmd::Caw { hist, .. } => {
@@ -1208,12 +1253,7 @@ impl Sim {
         w.next_token += 1;
         let token = w.next_token;
         tr!(self, format!("node {id}: initiator {i} sends {cmd:?}"));
-        // Together: the link is up and both endpoints mirror on it (a handshake still
-        // running leaves a node acting alone).
-        let together = (self.link.open == [true, true]
-            && !self.link.partitioned
-            && (0..2).all(|k| self.mirroring_link(k).is_some()))
-        .then_some(self.link.epoch);
+        let together = self.together();
         let w = self.world.as_mut().expect("a SCSI run");
         w.cmds[n].insert(
             token,
@@ -1225,13 +1265,112 @@ impl Sim {
             },
         );
         let nx = nexuses[i].clone();
-        self.exec.spawn(n, async move {
+        let task = self.exec.spawn(n, async move {
             Out::Cmd {
                 node: n,
                 token,
                 response: command_run(lu, nx, command).await,
             }
         });
+        w.task_cmd.insert(task, (n, token));
+        Ok(())
+    }
+
+    /// The simulation's link, if the nodes are together: it is up and both endpoints
+    /// mirror on it (a handshake still running leaves a node acting alone).
+    fn together(&self) -> Option<u64> {
+        (self.link.open == [true, true]
+            && !self.link.partitioned
+            && (0..2).all(|k| self.mirroring_link(k).is_some()))
+        .then_some(self.link.epoch)
+    }
+
+    /// Node `n`'s unit submits `req` for executor task `task`: the first WRITE of a
+    /// write command, or the first READ of a CAW, opens its lock window (check 11).
+    fn open_window(&mut self, n: usize, req: &IoReq, task: u64, together: Option<u64>) {
+        let Some(w) = self.world.as_mut() else {
+            return;
+        };
+        let Some(&(node, token)) = w.task_cmd.get(&task) else {
+            return;
+        };
+        if w.windows.contains_key(&token) {
+            return;
+        }
+        let Some(c) = w.cmds[node].get(&token) else {
+            return;
+        };
+        let window = |sectors, caw| Window {
+            node: n,
+            sectors,
+            caw,
+            span: (w.seq + 1, None),
+            together,
+        };
+        let opened = match (&c.cmd, req) {
+            (
+                Cmd::Write { .. },
+                IoReq::Write {
+                    offset, payload, ..
+                },
+            ) => {
+                let len = match payload {
+                    WritePayload::Data(d) => d.len() as u64,
+                    WritePayload::Discard { len } | WritePayload::Zeroes { len } => *len,
+                };
+                window((offset / SECTOR, len.div_ceil(SECTOR)), false)
+            }
+            (Cmd::Caw { sector, .. }, IoReq::Read { .. }) => window((*sector, 1), true),
+            _ => return,
+        };
+        w.seq += 1;
+        w.windows.insert(token, opened);
+    }
+
+    /// Command `token` ended (`good`: acknowledged GOOD): its window closes; a CAW that
+    /// succeeded must have overlapped no other write's or CAW's window on its sector on
+    /// its own node, nor on the other node while both mirrored on the same link.
+    fn close_window(&mut self, token: u64, good: bool) -> Result<(), String> {
+        let Some(w) = self.world.as_mut() else {
+            return Ok(());
+        };
+        w.task_cmd.retain(|_, (_, t)| *t != token);
+        w.seq += 1;
+        let end = w.seq;
+        let Some(mine) = w.windows.get_mut(&token) else {
+            return Ok(());
+        };
+        mine.span.1 = Some(end);
+        let mine = mine.clone();
+        if good && mine.caw {
+            let s = mine.sectors.0;
+            let clash = w.windows.iter().find(|(t, o)| {
+                **t != token
+                    && o.sectors.0 <= s
+                    && s < o.sectors.0 + o.sectors.1
+                    && o.span.0 < end
+                    && o.span.1.is_none_or(|e| e > mine.span.0)
+                    && (o.node == mine.node
+                        || (o.together.is_some() && o.together == mine.together))
+            });
+            if let Some((t, o)) = clash {
+                return Err(format!(
+                    "check 11: a COMPARE AND WRITE at sector {s} through node {} succeeded, but command {t} ({}, through node {}) held the sector at the same time: {o:?} against {mine:?}",
+                    mine.node + 1,
+                    if o.caw { "a CAW" } else { "a write" },
+                    o.node + 1
+                ));
+            }
+        }
+        // Forget the windows that ended before every open one began.
+        let oldest = w
+            .windows
+            .values()
+            .filter(|o| o.span.1.is_none())
+            .map(|o| o.span.0)
+            .min()
+            .unwrap_or(u64::MAX);
+        w.windows.retain(|_, o| o.span.1.is_none_or(|e| e > oldest));
         Ok(())
     }
 

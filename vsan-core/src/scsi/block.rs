@@ -328,28 +328,14 @@ impl LogicalUnit {
         let (off, len) = self.bytes_of(lba, blocks);
         let fua = !mb.wce() || u8_at(cdb, 1) & 0x08 != 0;
         let flags = if fua { IoFlags::FUA } else { IoFlags::empty() };
-        // Both nodes' stripes when the unit has a peer: the other node's first, the
-        // resolver's second (peer.rs).
-        let peer_lock = || async {
-            self.peer_lock(lba, blocks).await.map_err(|e| {
-                tracing::warn!("COMPARE AND WRITE: the other node's lock: {e}");
-                // The link changed (NOT READY, retry), the mirror refuses to go on
-                // alone (no quorum: NOT READY), or the other node failed the lock.
-                Fail::Check(sense::from_error(e.kind(), Access::Write))
-            })
-        };
+        // This node's stripes, and their ownership across the pair (peer.rs).
         let admitted = self.peer_link_id();
-        let resolver = self.peer().is_some_and(|p| p.is_resolver());
-        let early = if resolver {
-            Some(peer_lock().await?)
-        } else {
-            None
-        };
-        let _held = self.locks.exclusive(lba, blocks).await;
-        let peer_held = match early {
-            Some(g) => g,
-            None => peer_lock().await?,
-        };
+        let (_held, owned_on) = self.caw_stripes(lba, blocks).await.map_err(|e| {
+            tracing::warn!("COMPARE AND WRITE: the other node's grant: {e}");
+            // The link changed (NOT READY, retry), the mirror refuses to go on alone
+            // (no quorum: NOT READY), or the other node failed the call.
+            Fail::Check(sense::from_error(e.kind(), Access::Write))
+        })?;
         self.same_link(admitted)?;
         let current = self
             .device
@@ -361,7 +347,10 @@ impl LogicalUnit {
             .write(off, new, flags)
             .await
             .map_err(|e| dev_err(e, Access::Write))?;
-        if !peer_held.still_held() {
+        // The ownership went with its link: the other node may have written the
+        // blocks since, while this node's write may still land later (a write held
+        // across a reconnect), so the COMPARE AND WRITE cannot count as atomic.
+        if owned_on.is_some_and(|link| self.peer_link_id() != link) {
             tracing::warn!(
                 "COMPARE AND WRITE: the link to the other node changed while it ran; reported as failed (its write may have landed)"
             );

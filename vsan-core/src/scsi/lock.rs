@@ -8,7 +8,7 @@
 use tokio::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 /// Number of stripes.
-const STRIPES: usize = 64;
+pub(super) const STRIPES: usize = 64;
 /// A region is 2^REGION_SHIFT blocks.
 const REGION_SHIFT: u32 = 11;
 
@@ -44,7 +44,7 @@ impl Default for StripeLock {
 
 impl StripeLock {
     /// The stripes a range of blocks touches, as a bit set.
-    fn mask(lba: u64, blocks: u64) -> u64 {
+    pub(super) fn mask(lba: u64, blocks: u64) -> u64 {
         if blocks == 0 {
             return 0;
         }
@@ -115,7 +115,11 @@ impl StripeLock {
 
     /// Take the stripes of a range exclusive (a COMPARE AND WRITE).
     pub async fn exclusive(&self, lba: u64, blocks: u64) -> Held<'_> {
-        let m = Self::mask(lba, blocks);
+        self.exclusive_mask(Self::mask(lba, blocks)).await
+    }
+
+    /// Take the stripes of a bit set ([`Self::mask`]) exclusive.
+    pub async fn exclusive_mask(&self, m: u64) -> Held<'_> {
         let mut v = Vec::with_capacity(m.count_ones() as usize);
         for (i, s) in self.stripes.iter().enumerate() {
             if m & (1 << i) != 0 {

@@ -58,6 +58,7 @@ mod exec;
 mod inquiry;
 mod lock;
 mod mode;
+mod owner;
 pub mod peer;
 pub mod pr;
 pub mod sense;
@@ -241,12 +242,11 @@ pub struct LogicalUnit {
     own_state: AtomicU8,
     /// The other node serving this unit, if any (peer.rs).
     peer: RwLock<Option<Arc<dyn ScsiPeer>>>,
-    /// Stripe locks held for the other node's COMPARE AND WRITE, by its lock id; `None`:
-    /// its `Unlock` came before its `Lock` was seen (peer.rs).
-    peer_locks: Mutex<std::collections::HashMap<u64, Option<tokio::sync::oneshot::Sender<()>>>>,
-    /// The id of the next stripe lock this node takes on the other (and of the next
-    /// PERSISTENT RESERVE OUT it forwards there).
-    next_peer_lock: AtomicU64,
+    /// Which stripes this node owns or granted to the other, for COMPARE AND WRITE
+    /// (owner.rs).
+    owner: owner::Ownership,
+    /// The token of the next PERSISTENT RESERVE OUT this node forwards to the other.
+    next_forward: AtomicU64,
     /// This node's forwarded PERSISTENT RESERVE OUTs whose `PrApply` came back (peer.rs).
     applied_forwards: Mutex<std::collections::HashSet<u64>>,
     /// No reservation state was settled with the other node since this unit was made.
@@ -517,8 +517,8 @@ impl LogicalUnit {
             pr_store: RwLock::new(None),
             own_state: AtomicU8::new(AluaState::ActiveOptimized as u8),
             peer: RwLock::new(None),
-            peer_locks: Mutex::new(std::collections::HashMap::new()),
-            next_peer_lock: AtomicU64::new(1),
+            owner: owner::Ownership::default(),
+            next_forward: AtomicU64::new(1),
             applied_forwards: Mutex::new(std::collections::HashSet::new()),
             pr_fresh: AtomicBool::new(true),
             config,

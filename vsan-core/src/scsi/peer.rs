@@ -35,18 +35,22 @@
 //!   done: the node reports its port group transitioning meanwhile, so no command is
 //!   judged by a reservation state the pair has moved past (a key preempted while
 //!   this node was away, say).
-//! - **COMPARE AND WRITE** holds the stripe locks of both nodes, always the other
-//!   node's first and the resolver's second, so two of them never wait on each other in
-//!   a cycle; a lock on the other node is taken with `Msg::Lock` and released with
-//!   `Msg::Unlock` (or when the link goes: no lease, which could run out under a CAW
-//!   still running). Writes take their own node's stripes shared and complete on both
-//!   replicas before they release them, so under both locks nothing writes the blocks.
-//!   The `Unlock` is armed before the `Lock` goes out, so a command dropped while it
-//!   waits still releases it. Without the other node (link down, or gone while
-//!   locking) a CAW first flushes the mirror alone as a PR OUT does (so this node may
-//!   write alone); a CAW whose link changed before it completed fails (HARDWARE ERROR):
-//!   the other node released the lock with the link, and this node's write may land
-//!   after what the other did since (a write held across a reconnect).
+//! - **COMPARE AND WRITE** runs under its own node's stripe lock (exclusive) on
+//!   stripes its node *owns* across the pair ([`super::owner`]): asked of the other
+//!   node once (`Msg::Lock`: the other node's writes in flight there end first, and its
+//!   later writes there take the stripes back with `Msg::Revoke`, which waits for the
+//!   CAW running here), then kept, so CAWs on the same blocks through one node cost no
+//!   message of their own. Writes take their own node's stripes shared and complete on
+//!   both replicas before they release them, so while a node owns a stripe and holds it
+//!   exclusive, nothing writes those blocks through either node. The other node asks
+//!   holding its own stripes, the resolver with its own released, so two of them never
+//!   wait on each other in a cycle. Ownership belongs to one link: both nodes forget it
+//!   when the link goes (no lease, which could run out under a CAW still running).
+//!   Without the other node (link down, or gone while asking) a CAW first flushes the
+//!   mirror alone as a PR OUT does (so this node may write alone); a CAW whose link
+//!   changed before it completed fails (HARDWARE ERROR): the other node forgot what it
+//!   granted with the link, and this node's write may land after what the other did
+//!   since (a write held across a reconnect).
 //! - **Resets** (LOGICAL UNIT RESET, TARGET WARM and COLD RESET, CLEAR TASK SET): their
 //!   unit attentions and aborts reach the other node's nexuses (`Msg::Reset`) before
 //!   the task management response goes out.
@@ -93,12 +97,12 @@ pub trait ScsiPeer: Send + Sync {
     /// write made alone (a mirror flushes, which moves its data generation).
     fn changed_alone(&self) -> IoFuture<'_, ()>;
     /// Names the mirror link now (any value that changes with every new link; its
-    /// value while no link is up does not matter). A COMPARE AND WRITE whose link to
-    /// the other node's lock changed before it completed fails: its write may land
-    /// after what the other node did meanwhile.
+    /// value while no link is up does not matter). A COMPARE AND WRITE whose link
+    /// changed before it completed fails: its write may land after what the other node
+    /// did meanwhile.
     fn link_id(&self) -> u64;
-    /// Run `task` in the background on this node's runtime (a stripe lock held for the
-    /// other node, an `Unlock` sent from a guard's drop): the unit spawns nothing itself,
+    /// Run `task` in the background on this node's runtime (a reset's or a SCSI-2
+    /// release's message to the other node): the unit spawns nothing itself,
     /// so it runs on whatever executor its node gives it (tokio in a node; the
     /// deterministic simulation's own).
     fn spawn(&self, task: BackgroundTask);
@@ -134,10 +138,13 @@ enum Msg {
     PrInstall(Bytes),
     /// The state exchange after a connect is done (the receiver keeps its own).
     PrKept,
-    /// Take the stripes of these blocks exclusive until `Unlock` with this id.
-    Lock { id: u64, lba: u64, blocks: u64 },
-    /// Release a `Lock`.
-    Unlock { id: u64 },
+    /// Grant the sender the stripes of `mask` for COMPARE AND WRITE; `counter`: the
+    /// sender's grants up to this number are void (owner.rs). The answer is the grant's
+    /// number.
+    Lock { mask: u64, counter: u64 },
+    /// Give up the stripes of `mask` (the sender writes there); the sender's grants of
+    /// them up to `upto` are void.
+    Revoke { mask: u64, upto: u64 },
     /// Run this SCSI-2 RESERVE (`reserve`) or RELEASE from `from` on the resolver.
     Scsi2 { reserve: bool, from: Nexus },
     /// The SCSI-2 reservation holder now (the resolver's state, after a change).
@@ -154,7 +161,7 @@ const T_PR_GET: u8 = 4;
 const T_PR_INSTALL: u8 = 5;
 const T_PR_KEPT: u8 = 6;
 const T_LOCK: u8 = 7;
-const T_UNLOCK: u8 = 8;
+const T_REVOKE: u8 = 8;
 const T_SCSI2: u8 = 9;
 const T_SCSI2_HOLDER: u8 = 10;
 const T_SETTLE: u8 = 11;
@@ -266,15 +273,15 @@ impl Msg {
                 put_bytes(&mut b, state);
             }
             Msg::PrKept => b.put_u8(T_PR_KEPT),
-            Msg::Lock { id, lba, blocks } => {
+            Msg::Lock { mask, counter } => {
                 b.put_u8(T_LOCK);
-                b.put_u64(*id);
-                b.put_u64(*lba);
-                b.put_u64(*blocks);
+                b.put_u64(*mask);
+                b.put_u64(*counter);
             }
-            Msg::Unlock { id } => {
-                b.put_u8(T_UNLOCK);
-                b.put_u64(*id);
+            Msg::Revoke { mask, upto } => {
+                b.put_u8(T_REVOKE);
+                b.put_u64(*mask);
+                b.put_u64(*upto);
             }
             Msg::Scsi2 { reserve, from } => {
                 b.put_u8(T_SCSI2);
@@ -332,12 +339,12 @@ impl Msg {
             T_PR_KEPT => Msg::PrKept,
             T_SETTLE => Msg::Settle,
             T_LOCK => Msg::Lock {
-                id: take_u64(&mut b)?,
-                lba: take_u64(&mut b)?,
-                blocks: take_u64(&mut b)?,
+                mask: take_u64(&mut b)?,
+                counter: take_u64(&mut b)?,
             },
-            T_UNLOCK => Msg::Unlock {
-                id: take_u64(&mut b)?,
+            T_REVOKE => Msg::Revoke {
+                mask: take_u64(&mut b)?,
+                upto: take_u64(&mut b)?,
             },
             T_SCSI2 if b.has_remaining() => {
                 let reserve = b.get_u8() != 0;
@@ -417,37 +424,6 @@ pub(super) enum Forwarded {
     Here { lost: bool },
 }
 
-/// A stripe lock held on the other node: released (with a message) when dropped.
-pub(super) struct PeerLockGuard {
-    peer: Option<(Arc<dyn ScsiPeer>, u64)>,
-    /// The link the lock was taken on.
-    link: u64,
-}
-
-impl PeerLockGuard {
-    /// Whether the lock is held on the other node over the link it was taken on.
-    /// `false` when the link changed: the other node released it (`peer_lost`) and may
-    /// have written the blocks since, while this node's write may still land later (a
-    /// write held across a reconnect), so the COMPARE AND WRITE cannot count as atomic.
-    pub(super) fn still_held(&self) -> bool {
-        self.peer
-            .as_ref()
-            .is_none_or(|(peer, _)| peer.link_id() == self.link)
-    }
-}
-
-impl Drop for PeerLockGuard {
-    fn drop(&mut self) {
-        if let Some((peer, id)) = self.peer.take() {
-            let msg = Msg::Unlock { id }.encode();
-            let caller = Arc::clone(&peer);
-            peer.spawn(Box::pin(async move {
-                let _ = caller.call(msg).await;
-            }));
-        }
-    }
-}
-
 impl LogicalUnit {
     /// Serve this unit together with another node (see the module docs of
     /// [`crate::scsi::peer`]).
@@ -518,56 +494,19 @@ impl LogicalUnit {
                 self.pr_fresh.store(false, Ordering::Release);
                 Ok(Bytes::new())
             }
-            Msg::Lock { id, lba, blocks } => {
-                // Held by a task of its own until the other node's `Unlock`, or until
-                // the link goes ([`LogicalUnit::peer_lost`]). No lease: one that ran
-                // out under a COMPARE AND WRITE still running there would break it.
-                let peer = self.peer().ok_or_else(|| bad("no peer set"))?;
-                let (taken_tx, taken) = tokio::sync::oneshot::channel();
-                let (release, mut release_rx) = tokio::sync::oneshot::channel::<()>();
-                {
-                    let mut held_for_peer = self.peer_locks.lock();
-                    if let Some(None) = held_for_peer.get(&id) {
-                        // Released already: the command there ended while asking.
-                        held_for_peer.remove(&id);
-                        return Ok(Bytes::new());
-                    }
-                    held_for_peer.insert(id, Some(release));
-                }
-                let lu = Arc::clone(self);
-                peer.spawn(Box::pin(async move {
-                    let held = lu.locks.exclusive(lba, blocks).await;
-                    if taken_tx.send(()).is_ok() {
-                        let _ = (&mut release_rx).await;
-                    }
-                    drop(held);
-                    drop(release_rx);
-                    // Forget this lock's entry if it is still there (its receiver is
-                    // gone now); an entry under the same id from a later link (the other
-                    // node restarted, its ids start again) is alive and stays.
-                    let mut held_for_peer = lu.peer_locks.lock();
-                    if matches!(held_for_peer.get(&id), Some(Some(s)) if s.is_closed()) {
-                        held_for_peer.remove(&id);
-                    }
-                }));
-                taken
-                    .await
-                    .map_err(|_| Error::new(ErrorKind::Closed, "stripe lock abandoned"))?;
-                Ok(Bytes::new())
+            Msg::Lock { mask, counter } => {
+                // Under the stripes' exclusive lock: this node's writes in flight there
+                // end first (on both replicas), and none of its CAWs runs there.
+                let link = self.peer_link_id();
+                let _held = self.locks.exclusive_mask(mask).await;
+                let grant = self.owner.grant(mask, counter, link);
+                Ok(Bytes::copy_from_slice(&grant.to_be_bytes()))
             }
-            Msg::Unlock { id } => {
-                let mut held_for_peer = self.peer_locks.lock();
-                match held_for_peer.remove(&id) {
-                    Some(Some(release)) => {
-                        let _ = release.send(());
-                    }
-                    // Before its `Lock` (calls may run in any order): the `Lock` then
-                    // takes nothing.
-                    None => {
-                        held_for_peer.insert(id, None);
-                    }
-                    Some(None) => {}
-                }
+            Msg::Revoke { mask, upto } => {
+                // Under the lock: a CAW of this node running there ends first.
+                let link = self.peer_link_id();
+                let _held = self.locks.exclusive_mask(mask).await;
+                self.owner.give_up(mask, upto, link);
                 Ok(Bytes::new())
             }
             Msg::Scsi2 { reserve, from } => {
@@ -661,15 +600,11 @@ impl LogicalUnit {
         }));
     }
 
-    /// The other node is gone: the stripe locks it held here are released (its
-    /// COMPARE AND WRITE failed or completed alone there).
+    /// The other node is gone: what it owned here for COMPARE AND WRITE is free (its
+    /// CAW failed or completed alone there), and what this node owned is gone with the
+    /// link.
     pub fn peer_lost(&self) {
-        let held: Vec<_> = self.peer_locks.lock().drain().collect();
-        for (_, release) in held {
-            if let Some(release) = release {
-                let _ = release.send(());
-            }
-        }
+        self.owner.forget();
     }
 
     /// Whether this node must not serve until [`Self::peer_connected`] returned on a new
@@ -749,7 +684,7 @@ impl LogicalUnit {
         if peer.is_resolver() || peer.link() == PeerLink::Away {
             return Forwarded::Here { lost: false };
         }
-        let token = self.next_peer_lock.fetch_add(1, Ordering::Relaxed);
+        let token = self.next_forward.fetch_add(1, Ordering::Relaxed);
         let msg = Msg::PrOut {
             from: from.clone(),
             cdb: Bytes::copy_from_slice(cdb),
@@ -928,53 +863,134 @@ impl LogicalUnit {
         Ok(())
     }
 
-    /// The stripes of a write, shared (see [`super::lock`]); a write that waited for
-    /// them is refused if a new link came up meanwhile ([`Self::same_link`]).
+    /// The stripes of a write, shared (see [`super::lock`]), with none of them owned by
+    /// the other node for COMPARE AND WRITE (owner.rs: revoked first). A write that
+    /// waited is refused if a new link came up meanwhile ([`Self::same_link`]).
     pub(super) async fn write_stripes(
         &self,
         lba: u64,
         blocks: u64,
     ) -> std::result::Result<super::lock::Held<'_>, super::exec::Fail> {
+        let mask = super::lock::StripeLock::mask(lba, blocks);
         if let Some(held) = self.locks.try_shared(lba, blocks) {
-            return Ok(held);
+            // Read under the shared stripes: a grant is made under them exclusive.
+            if self.owner.granted(mask) == 0 {
+                return Ok(held);
+            }
         }
         let admitted = self.peer_link_id();
-        let held = self.locks.shared(lba, blocks).await;
-        self.same_link(admitted)?;
-        Ok(held)
+        loop {
+            let held = self.locks.shared(lba, blocks).await;
+            self.same_link(admitted)?;
+            let busy = self.owner.granted(mask);
+            if busy == 0 {
+                return Ok(held);
+            }
+            drop(held);
+            self.revoke(busy).await.map_err(|e| {
+                warn!(
+                    "a write could not take its blocks back from the other node's COMPARE AND WRITE: {e}"
+                );
+                super::exec::Fail::Check(sense::from_error(e.kind(), sense::Access::Write))
+            })?;
+        }
     }
 
-    /// Take the other node's stripes of a range exclusive, for a COMPARE AND WRITE
-    /// (nothing without a peer or with the peer away). `Err` when the peer answered
-    /// with an error (then the command fails: the other node may be writing there).
-    pub(super) async fn peer_lock(&self, lba: u64, blocks: u64) -> Result<PeerLockGuard> {
-        let none = PeerLockGuard {
-            peer: None,
-            link: 0,
-        };
+    /// Take the stripes of `mask` back from the other node (owner.rs); with the link
+    /// away or changed, what was granted on it is forgotten.
+    async fn revoke(&self, mask: u64) -> Result<()> {
         let Some(peer) = self.peer() else {
-            return Ok(none);
+            self.owner.forget();
+            return Ok(());
         };
+        let link = peer.link_id();
         if peer.link() == PeerLink::Away {
-            self.go_alone(peer.as_ref()).await?;
-            return Ok(none);
+            self.owner.forget();
+            return Ok(());
         }
-        let id = self.next_peer_lock.fetch_add(1, Ordering::Relaxed);
-        // The guard exists before the call goes out: a command dropped while it waits
-        // (its task aborted) still releases what the other node takes for it.
-        let guard = PeerLockGuard {
-            link: peer.link_id(),
-            peer: Some((Arc::clone(&peer), id)),
-        };
-        match peer.call(Msg::Lock { id, lba, blocks }.encode()).await {
-            Ok(_) => Ok(guard),
-            Err(e) if peer.link() == PeerLink::Away => {
-                warn!("COMPARE AND WRITE: the other node went away while locking ({e})");
-                drop(guard);
-                self.go_alone(peer.as_ref()).await?;
-                Ok(none)
+        let upto = self.owner.revoking(link);
+        match peer.call(Msg::Revoke { mask, upto }.encode()).await {
+            Ok(_) => {
+                self.owner.revoked(mask, upto, link, peer.link_id());
+                Ok(())
+            }
+            Err(_) if peer.link() == PeerLink::Away => {
+                self.owner.forget();
+                Ok(())
+            }
+            Err(_) if peer.link_id() != link => {
+                self.owner.revoked(mask, upto, link, peer.link_id());
+                Ok(())
             }
             Err(e) => Err(e),
+        }
+    }
+
+    /// The stripes of a COMPARE AND WRITE: this node's exclusive, and the ownership of
+    /// them across the pair (owner.rs: asked of the other node when this node does not
+    /// own them yet). Returns the held stripes and the link the ownership belongs to
+    /// (`None`: this node acts alone, with no peer or with the peer away, after
+    /// [`Self::go_alone`]). `Err` when the other node failed the call (the command
+    /// then fails: the other node may be writing there) or going alone failed.
+    pub(super) async fn caw_stripes(
+        &self,
+        lba: u64,
+        blocks: u64,
+    ) -> Result<(super::lock::Held<'_>, Option<u64>)> {
+        let Some(peer) = self.peer() else {
+            return Ok((self.locks.exclusive(lba, blocks).await, None));
+        };
+        let mask = super::lock::StripeLock::mask(lba, blocks);
+        loop {
+            let link = peer.link_id();
+            let held = self.locks.exclusive_mask(mask).await;
+            if peer.link() == PeerLink::Away {
+                drop(held);
+                self.go_alone(peer.as_ref()).await?;
+                return Ok((self.locks.exclusive_mask(mask).await, None));
+            }
+            if self.owner.owns(mask, link) {
+                return Ok((held, Some(link)));
+            }
+            // The other node's stripes first, the resolver's second: the other node
+            // asks holding its own (the resolver's grant waits for nothing of it), the
+            // resolver lets its own go while it asks (the other node's grant waits for
+            // the other node's CAW, which may wait for this node's grant).
+            let held = (!peer.is_resolver()).then_some(held);
+            let sent = self.owner.asking(link);
+            match peer
+                .call(
+                    Msg::Lock {
+                        mask,
+                        counter: sent,
+                    }
+                    .encode(),
+                )
+                .await
+            {
+                Ok(answer) => {
+                    let grant = <[u8; 8]>::try_from(&answer[..])
+                        .map(u64::from_be_bytes)
+                        .map_err(|_| bad("a grant's number"))?;
+                    let owned = self.owner.taken(
+                        mask,
+                        sent,
+                        grant,
+                        (link, peer.link_id()),
+                        peer.is_resolver(),
+                    );
+                    if let (true, Some(held)) = (owned, held) {
+                        return Ok((held, Some(link)));
+                    }
+                }
+                Err(e) if peer.link() == PeerLink::Away => {
+                    warn!("COMPARE AND WRITE: the other node went away while granting ({e})");
+                }
+                Err(e) if peer.link_id() != link => {
+                    warn!("COMPARE AND WRITE: the link changed while asking the other node ({e})");
+                }
+                Err(e) => return Err(e),
+            }
         }
     }
 }
@@ -1008,11 +1024,10 @@ mod tests {
             Msg::PrInstall(Bytes::from_static(b"state")),
             Msg::PrKept,
             Msg::Lock {
-                id: 1,
-                lba: 2,
-                blocks: 3,
+                mask: 1 << 63,
+                counter: 3,
             },
-            Msg::Unlock { id: 9 },
+            Msg::Revoke { mask: 9, upto: 2 },
             Msg::Scsi2 {
                 reserve: true,
                 from: Nexus {

@@ -1,8 +1,7 @@
-//! The unit's side of a peer: a COMPARE AND WRITE dropped while it waits for the other
-//! node's stripe lock still releases that lock (found by the deterministic simulation,
-//! `proptests/src/sim/scsi.rs`, where an aborted command's task was dropped; with no lease
-//! on the other node's lock, a lost `Unlock` would block the blocks there for good); a
-//! write that waited while a new link came up is refused (`LogicalUnit::same_link`).
+//! The unit's side of a peer: COMPARE AND WRITE's ownership of stripes across two units
+//! (owner.rs: asked once, taken back by the other node's writes, which wait for a CAW
+//! running; increments through both never lost); a write that waited while a new link
+//! came up is refused (`LogicalUnit::same_link`).
 
 use std::sync::Mutex;
 use std::sync::atomic::AtomicU64;
@@ -10,30 +9,33 @@ use std::sync::atomic::AtomicU64;
 use futures_util::FutureExt;
 
 use super::*;
+use crate::BlockDevice;
 use crate::device::IoFuture;
 
-/// A resolver's peer whose `Lock` answers wait for the test; it records the calls.
-#[derive(Default)]
-struct SlowPeer {
+/// One of two units over one device (a mirror whose replicas are one), each the other's
+/// peer; it records the tags of the calls it makes.
+struct PairPeer {
+    other: Mutex<std::sync::Weak<LogicalUnit>>,
+    resolver: bool,
     calls: Mutex<Vec<u8>>,
-    spawned: Mutex<Vec<BackgroundTask>>,
 }
 
-impl ScsiPeer for SlowPeer {
+impl ScsiPeer for PairPeer {
     fn is_resolver(&self) -> bool {
-        true
+        self.resolver
     }
     fn link(&self) -> PeerLink {
         PeerLink::InSync
     }
     fn call(&self, msg: Bytes) -> IoFuture<'_, Bytes> {
-        let tag = msg.first().copied().unwrap_or(0);
-        self.calls.lock().unwrap().push(tag);
-        if tag == 7 {
-            // `Lock`: never answered while the test looks.
-            return Box::pin(std::future::pending());
-        }
-        Box::pin(async { Ok(Bytes::new()) })
+        self.calls.lock().unwrap().push(msg[0]);
+        let other = self.other.lock().unwrap().upgrade();
+        Box::pin(async move {
+            match other {
+                Some(lu) => lu.on_peer_message(msg).await,
+                None => Err(crate::error::Error::new(ErrorKind::Closed, "gone")),
+            }
+        })
     }
     fn changed_alone(&self) -> IoFuture<'_, ()> {
         Box::pin(async { Ok(()) })
@@ -42,39 +44,214 @@ impl ScsiPeer for SlowPeer {
         1
     }
     fn spawn(&self, task: BackgroundTask) {
-        self.spawned.lock().unwrap().push(task);
+        tokio::spawn(task);
     }
 }
 
-#[test]
-fn a_caw_dropped_while_locking_the_other_node_releases_its_lock() {
-    let lu = lu();
-    let peer = Arc::new(SlowPeer::default());
-    lu.set_peer(peer.clone());
-    let h = lu.attach(nexus("a"));
-    // The power-on unit attention first.
-    let _ = run(&lu, &h, &[TEST_UNIT_READY, 0, 0, 0, 0, 0], &[]).now_or_never();
-    let mut data = pattern(1, 0);
-    data.extend(pattern(1, 7));
-    let cdb = caw(5, 1);
-    let mut caw_cmd = Box::pin(run(&lu, &h, &cdb, &data));
-    assert!(
-        caw_cmd.as_mut().now_or_never().is_none(),
-        "waits for the lock"
-    );
-    assert_eq!(*peer.calls.lock().unwrap(), vec![7], "asked for the lock");
-    // The transport drops the command (its connection went, say).
-    drop(caw_cmd);
-    let spawned: Vec<_> = std::mem::take(&mut *peer.spawned.lock().unwrap());
-    assert_eq!(
-        spawned.len(),
-        1,
-        "an Unlock goes out for the lock asked for"
-    );
-    for t in spawned {
-        assert!(t.now_or_never().is_some());
+impl PairPeer {
+    /// Tags of `Lock` (7) and `Revoke` (8) calls made so far.
+    fn count(&self, tag: u8) -> usize {
+        self.calls
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|&&t| t == tag)
+            .count()
     }
-    assert_eq!(*peer.calls.lock().unwrap(), vec![7, 8], "Lock, then Unlock");
+}
+
+const LOCK: u8 = 7;
+const REVOKE: u8 = 8;
+
+/// Units 1 (the resolver) and 2 over `dev`, with their peers.
+fn pair(dev: Arc<dyn BlockDevice>) -> [(Arc<LogicalUnit>, Arc<PairPeer>); 2] {
+    let units = [1u16, 2].map(|id| {
+        let mut c = config(None);
+        c.port.relative_id = id;
+        c.port.group = id;
+        let lu = LogicalUnit::new(dev.clone(), c).unwrap();
+        let peer = Arc::new(PairPeer {
+            other: Mutex::new(std::sync::Weak::new()),
+            resolver: id == 1,
+            calls: Mutex::new(Vec::new()),
+        });
+        lu.set_peer(peer.clone());
+        (lu, peer)
+    });
+    *units[0].1.other.lock().unwrap() = Arc::downgrade(&units[1].0);
+    *units[1].1.other.lock().unwrap() = Arc::downgrade(&units[0].0);
+    units
+}
+
+/// A CAW of `lu` that adds one to the counter in the first 4 bytes of block `lba`;
+/// whether it won.
+async fn increment(lu: &Arc<LogicalUnit>, h: &NexusHandle, lba: u32) -> bool {
+    let cur = run(lu, h, &rw10(READ_10, lba, 1), &[]).await.data;
+    let n = u32::from_be_bytes([cur[0], cur[1], cur[2], cur[3]]);
+    let mut d = cur.to_vec();
+    d.extend_from_slice(&(n + 1).to_be_bytes());
+    d.extend_from_slice(&cur[4..]);
+    run(lu, h, &caw(u64::from(lba), 1), &d).await.status == Status::Good
+}
+
+#[tokio::test]
+async fn caws_through_one_node_ask_the_other_once_until_its_writes_take_the_blocks_back() {
+    // Three regions, so that a write can miss the CAW's stripe.
+    let dev: Arc<dyn BlockDevice> = Arc::new(MemDevice::new(
+        Geometry::with_max_io(3 * 2048 * u64::from(BS), BS, 64 << 10).unwrap(),
+    ));
+    let [(u1, p1), (u2, p2)] = pair(dev.clone());
+    let (h1, h2) = (attach(&u1, "a").await, attach(&u2, "b").await);
+    for n in 0..5 {
+        assert!(increment(&u2, &h2, 5).await, "CAW {n}");
+    }
+    assert_eq!(
+        p2.count(LOCK),
+        1,
+        "the first CAW asks; the others own the stripe"
+    );
+    // Node 1 writes the other regions freely, then its write into the owned one takes
+    // it back.
+    good(&run(&u1, &h1, &rw10(WRITE_10, 2048, 1), &pattern(1, 1)).await);
+    assert_eq!(p1.count(REVOKE), 0, "another stripe");
+    good(&run(&u1, &h1, &rw10(WRITE_10, 6, 1), &pattern(1, 2)).await);
+    good(&run(&u1, &h1, &rw10(WRITE_10, 7, 1), &pattern(1, 3)).await);
+    assert_eq!(p1.count(REVOKE), 1, "once: the stripe is shared again");
+    // Node 2's next CAW asks again, and so does node 1's (taking it from node 2).
+    assert!(increment(&u2, &h2, 5).await);
+    assert_eq!(p2.count(LOCK), 2);
+    assert!(increment(&u1, &h1, 5).await);
+    assert!(increment(&u1, &h1, 5).await);
+    assert_eq!(p1.count(LOCK), 1);
+    // Node 2's write takes it back from node 1 in turn; node 1's own writes ask nothing.
+    good(&run(&u1, &h1, &rw10(WRITE_10, 8, 1), &pattern(1, 4)).await);
+    good(&run(&u2, &h2, &rw10(WRITE_10, 9, 1), &pattern(1, 5)).await);
+    assert_eq!((p1.count(REVOKE), p2.count(REVOKE)), (1, 1));
+    let block = dev.read(5 * u64::from(BS), BS as usize).await.unwrap();
+    assert_eq!(&block[..4], &8u32.to_be_bytes(), "eight increments");
+}
+
+/// A device whose writes wait while `held` is set.
+struct GatedDevice {
+    inner: MemDevice,
+    held: std::sync::atomic::AtomicBool,
+    open: tokio::sync::Notify,
+}
+
+impl BlockDevice for GatedDevice {
+    fn geometry(&self) -> Geometry {
+        self.inner.geometry()
+    }
+    fn read(&self, offset: u64, len: usize) -> IoFuture<'_, Bytes> {
+        self.inner.read(offset, len)
+    }
+    fn write(&self, offset: u64, data: Bytes, flags: crate::IoFlags) -> IoFuture<'_, ()> {
+        Box::pin(async move {
+            while self.held.load(Ordering::SeqCst) {
+                self.open.notified().await;
+            }
+            self.inner.write(offset, data, flags).await
+        })
+    }
+    fn flush(&self) -> IoFuture<'_, ()> {
+        self.inner.flush()
+    }
+    fn discard(&self, offset: u64, len: u64, flags: crate::IoFlags) -> IoFuture<'_, ()> {
+        self.inner.discard(offset, len, flags)
+    }
+    fn write_zeroes(&self, offset: u64, len: u64, flags: crate::IoFlags) -> IoFuture<'_, ()> {
+        self.inner.write_zeroes(offset, len, flags)
+    }
+}
+
+#[tokio::test]
+async fn a_write_through_the_granting_node_waits_for_the_owners_caw_and_lands_after_it() {
+    let dev = Arc::new(GatedDevice {
+        inner: MemDevice::new(Geometry::with_max_io(2048 * u64::from(BS), BS, 64 << 10).unwrap()),
+        held: std::sync::atomic::AtomicBool::new(false),
+        open: tokio::sync::Notify::new(),
+    });
+    for owner in [1, 0] {
+        let units = pair(dev.clone());
+        let ((uo, po), (uw, pw)) = (&units[owner], &units[1 - owner]);
+        let (ho, hw) = (attach(uo, "a").await, attach(uw, "b").await);
+        // The owner's CAW takes the stripe and stops at its write.
+        dev.held.store(true, Ordering::SeqCst);
+        let mut data = pattern(1, 0);
+        data.extend(pattern(1, 0xca));
+        if owner == 0 {
+            data[..BS as usize].copy_from_slice(&pattern(1, 0x77));
+        }
+        let (uo2, ho) = (uo.clone(), Arc::new(ho));
+        let ho2 = ho.clone();
+        let caw_task = tokio::spawn(async move { run(&uo2, &ho2, &caw(3, 1), &data).await });
+        for _ in 0..50 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(
+            po.count(LOCK),
+            1,
+            "owner {owner}: the CAW asked for the stripe"
+        );
+        // The other node's write to the block takes the stripe back, which waits for
+        // the CAW.
+        let (uw2, hw) = (uw.clone(), Arc::new(hw));
+        let write =
+            tokio::spawn(
+                async move { run(&uw2, &hw, &rw10(WRITE_10, 3, 1), &pattern(1, 0x77)).await },
+            );
+        for _ in 0..50 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(pw.count(REVOKE), 1, "owner {owner}: the write revokes");
+        assert!(!write.is_finished(), "owner {owner}: waits for the CAW");
+        dev.held.store(false, Ordering::SeqCst);
+        dev.open.notify_waiters();
+        good(&caw_task.await.unwrap());
+        good(&write.await.unwrap());
+        let block = dev.read(3 * u64::from(BS), BS as usize).await.unwrap();
+        assert!(
+            block.iter().all(|&b| b == 0x77),
+            "owner {owner}: the write landed after the CAW"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn caw_increments_through_both_nodes_are_never_lost() {
+    // Tasks on both nodes increment one counter with CAW and write its neighbour (same
+    // stripe) in between, so ownership moves back and forth: the final count equals the
+    // number of wins, and each node won some.
+    let dev: Arc<dyn BlockDevice> = device();
+    let units = pair(dev.clone());
+    let mut tasks = Vec::new();
+    for t in 0..6u8 {
+        let (lu, _) = &units[usize::from(t % 2)];
+        let lu = lu.clone();
+        let h = Arc::new(attach(&lu, &format!("i{t}")).await);
+        tasks.push(tokio::spawn(async move {
+            let mut wins = 0u32;
+            for _ in 0..40 {
+                if increment(&lu, &h, 0).await {
+                    wins += 1;
+                }
+                good(&run(&lu, &h, &rw10(WRITE_10, 1, 1), &pattern(1, t)).await);
+            }
+            (t % 2, wins)
+        }));
+    }
+    let mut per_node = [0u32; 2];
+    for t in tasks {
+        let (node, wins) = t.await.unwrap();
+        per_node[usize::from(node)] += wins;
+    }
+    let cur = dev.read(0, BS as usize).await.unwrap();
+    assert_eq!(
+        u32::from_be_bytes([cur[0], cur[1], cur[2], cur[3]]),
+        per_node[0] + per_node[1]
+    );
+    assert!(per_node.iter().all(|&w| w > 0), "{per_node:?}");
+    assert!(units[0].1.count(LOCK) + units[1].1.count(LOCK) > 1);
 }
 
 /// A peer whose link the test changes; it answers every call at once.
