@@ -20,7 +20,7 @@
 //! link the unit settles the reservation state with the other node
 //! ([`LogicalUnit::peer_connected`]), its port group transitioning meanwhile when
 //! [`LogicalUnit::must_settle`]; a failed exchange is tried again 250 ms later; a link
-//! that goes releases the stripe locks held for the other node
+//! that goes takes with it what the unit owned and granted for COMPARE AND WRITE
 //! ([`LogicalUnit::peer_lost`]). The other NOT READY states the follower reports
 //! (replica not proven, quorum lost) are left to the endpoint, which holds or fails the
 //! requests itself. The initiators' transport is re-done too: a command whose nexus's
@@ -38,6 +38,10 @@
 //!   instant between its submission and its acknowledgement (see `PrModel`).
 //! - After the run both units hold the same reservation state, and it is one that the
 //!   acknowledged PERSISTENT RESERVE OUT commands imply.
+//! - A COMPARE AND WRITE that succeeded held its sector alone: no other write's or
+//!   CAW's requests to the endpoint on that sector ran between the CAW's read and its
+//!   end, on its own node, nor on the other node while both mirrored on one link
+//!   (`Window`; the unit's stripe lock and the stripe's ownership across the pair).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::future::Future;

@@ -48,8 +48,24 @@ impl StripeLock {
         if blocks == 0 {
             return 0;
         }
-        let first = lba >> REGION_SHIFT;
-        let last = lba.saturating_add(blocks - 1) >> REGION_SHIFT;
+        Self::mask_of(Self::regions_of(lba, blocks))
+    }
+
+    /// The first and last region a range of blocks touches (`None`: an empty range).
+    pub(super) fn regions(lba: u64, blocks: u64) -> Option<(u64, u64)> {
+        (blocks > 0).then(|| Self::regions_of(lba, blocks))
+    }
+
+    /// The first and last region of a range of blocks (`blocks` > 0).
+    pub(super) fn regions_of(lba: u64, blocks: u64) -> (u64, u64) {
+        (
+            lba >> REGION_SHIFT,
+            lba.saturating_add(blocks - 1) >> REGION_SHIFT,
+        )
+    }
+
+    /// The stripes of regions `first..=last`, as a bit set.
+    pub(super) fn mask_of((first, last): (u64, u64)) -> u64 {
         if last - first >= STRIPES as u64 - 1 {
             return u64::MAX;
         }

@@ -16,6 +16,8 @@
 //!          |- mode.rs     mode pages (WCE, D_SENSE, SWP, TAS) in one atomic byte
 //!          |- pr.rs       PrState: persistent reservations as a pure, encodable value
 //!          |- lock.rs     the stripe lock that makes COMPARE AND WRITE atomic
+//!          |- owner.rs    which node may run CAWs on a stripe, across the pair
+//!          |- peer.rs     what the two nodes' units tell each other
 //!          `- sense.rs    sense data and the device error mapping
 //! ```
 //!

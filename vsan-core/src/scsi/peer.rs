@@ -65,6 +65,8 @@ use std::sync::atomic::Ordering;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use tracing::{info, warn};
 
+use super::lock::StripeLock;
+use super::owner::Regions;
 use super::pr::{PrError, PrOut};
 use super::sense::{Sense, SenseKey};
 use super::{LogicalUnit, Nexus, PrState, TaskFunction, sense};
@@ -138,13 +140,13 @@ enum Msg {
     PrInstall(Bytes),
     /// The state exchange after a connect is done (the receiver keeps its own).
     PrKept,
-    /// Grant the sender the stripes of `mask` for COMPARE AND WRITE; `counter`: the
+    /// Grant the sender regions `first..=last` for COMPARE AND WRITE; `counter`: the
     /// sender's grants up to this number are void (owner.rs). The answer is the grant's
     /// number.
-    Lock { mask: u64, counter: u64 },
-    /// Give up the stripes of `mask` (the sender writes there); the sender's grants of
-    /// them up to `upto` are void.
-    Revoke { mask: u64, upto: u64 },
+    Lock { first: u64, last: u64, counter: u64 },
+    /// Give up regions `first..=last` (the sender writes there); the sender's grants
+    /// up to `upto` are void.
+    Revoke { first: u64, last: u64, upto: u64 },
     /// Run this SCSI-2 RESERVE (`reserve`) or RELEASE from `from` on the resolver.
     Scsi2 { reserve: bool, from: Nexus },
     /// The SCSI-2 reservation holder now (the resolver's state, after a change).
@@ -273,15 +275,24 @@ impl Msg {
                 put_bytes(&mut b, state);
             }
             Msg::PrKept => b.put_u8(T_PR_KEPT),
-            Msg::Lock { mask, counter } => {
-                b.put_u8(T_LOCK);
-                b.put_u64(*mask);
-                b.put_u64(*counter);
+            Msg::Lock {
+                first,
+                last,
+                counter: n,
             }
-            Msg::Revoke { mask, upto } => {
-                b.put_u8(T_REVOKE);
-                b.put_u64(*mask);
-                b.put_u64(*upto);
+            | Msg::Revoke {
+                first,
+                last,
+                upto: n,
+            } => {
+                b.put_u8(if matches!(self, Msg::Lock { .. }) {
+                    T_LOCK
+                } else {
+                    T_REVOKE
+                });
+                b.put_u64(*first);
+                b.put_u64(*last);
+                b.put_u64(*n);
             }
             Msg::Scsi2 { reserve, from } => {
                 b.put_u8(T_SCSI2);
@@ -338,14 +349,25 @@ impl Msg {
             T_PR_INSTALL => Msg::PrInstall(take_bytes(&mut b)?),
             T_PR_KEPT => Msg::PrKept,
             T_SETTLE => Msg::Settle,
-            T_LOCK => Msg::Lock {
-                mask: take_u64(&mut b)?,
-                counter: take_u64(&mut b)?,
-            },
-            T_REVOKE => Msg::Revoke {
-                mask: take_u64(&mut b)?,
-                upto: take_u64(&mut b)?,
-            },
+            T_LOCK | T_REVOKE => {
+                let (first, last, n) = (take_u64(&mut b)?, take_u64(&mut b)?, take_u64(&mut b)?);
+                if last < first {
+                    return Err(bad("an empty region range"));
+                }
+                if tag == T_LOCK {
+                    Msg::Lock {
+                        first,
+                        last,
+                        counter: n,
+                    }
+                } else {
+                    Msg::Revoke {
+                        first,
+                        last,
+                        upto: n,
+                    }
+                }
+            }
             T_SCSI2 if b.has_remaining() => {
                 let reserve = b.get_u8() != 0;
                 Msg::Scsi2 {
@@ -494,19 +516,29 @@ impl LogicalUnit {
                 self.pr_fresh.store(false, Ordering::Release);
                 Ok(Bytes::new())
             }
-            Msg::Lock { mask, counter } => {
+            Msg::Lock {
+                first,
+                last,
+                counter,
+            } => {
                 // Under the stripes' exclusive lock: this node's writes in flight there
                 // end first (on both replicas), and none of its CAWs runs there.
-                let link = self.peer_link_id();
-                let _held = self.locks.exclusive_mask(mask).await;
-                let grant = self.owner.grant(mask, counter, link);
+                let regions = (first, last);
+                let _held = self
+                    .locks
+                    .exclusive_mask(StripeLock::mask_of(regions))
+                    .await;
+                let grant = self.owner.grant(regions, counter, self.peer_link_id());
                 Ok(Bytes::copy_from_slice(&grant.to_be_bytes()))
             }
-            Msg::Revoke { mask, upto } => {
+            Msg::Revoke { first, last, upto } => {
                 // Under the lock: a CAW of this node running there ends first.
-                let link = self.peer_link_id();
-                let _held = self.locks.exclusive_mask(mask).await;
-                self.owner.give_up(mask, upto, link);
+                let regions = (first, last);
+                let _held = self
+                    .locks
+                    .exclusive_mask(StripeLock::mask_of(regions))
+                    .await;
+                self.owner.give_up(regions, upto, self.peer_link_id());
                 Ok(Bytes::new())
             }
             Msg::Scsi2 { reserve, from } => {
@@ -863,18 +895,20 @@ impl LogicalUnit {
         Ok(())
     }
 
-    /// The stripes of a write, shared (see [`super::lock`]), with none of them owned by
-    /// the other node for COMPARE AND WRITE (owner.rs: revoked first). A write that
-    /// waited is refused if a new link came up meanwhile ([`Self::same_link`]).
+    /// The stripes of a write, shared (see [`super::lock`]), with none of its regions
+    /// owned by the other node for COMPARE AND WRITE (owner.rs: revoked first). A write
+    /// that waited is refused if a new link came up meanwhile ([`Self::same_link`]).
     pub(super) async fn write_stripes(
         &self,
         lba: u64,
         blocks: u64,
     ) -> std::result::Result<super::lock::Held<'_>, super::exec::Fail> {
-        let mask = super::lock::StripeLock::mask(lba, blocks);
+        let Some(regions) = StripeLock::regions(lba, blocks) else {
+            return Ok(super::lock::Held::None);
+        };
+        let mask = StripeLock::mask_of(regions);
         if let Some(held) = self.locks.try_shared(lba, blocks) {
-            // Read under the shared stripes: a grant is made under them exclusive.
-            if self.owner.granted(mask) == 0 {
+            if self.owner.granted(regions, mask).is_none() {
                 return Ok(held);
             }
         }
@@ -882,10 +916,9 @@ impl LogicalUnit {
         loop {
             let held = self.locks.shared(lba, blocks).await;
             self.same_link(admitted)?;
-            let busy = self.owner.granted(mask);
-            if busy == 0 {
+            let Some(busy) = self.owner.granted(regions, mask) else {
                 return Ok(held);
-            }
+            };
             drop(held);
             self.revoke(busy).await.map_err(|e| {
                 warn!(
@@ -896,9 +929,9 @@ impl LogicalUnit {
         }
     }
 
-    /// Take the stripes of `mask` back from the other node (owner.rs); with the link
-    /// away or changed, what was granted on it is forgotten.
-    async fn revoke(&self, mask: u64) -> Result<()> {
+    /// Take `regions` back from the other node (owner.rs); with the link away or
+    /// changed, what was granted on it is forgotten.
+    async fn revoke(&self, (first, last): Regions) -> Result<()> {
         let Some(peer) = self.peer() else {
             self.owner.forget();
             return Ok(());
@@ -908,30 +941,24 @@ impl LogicalUnit {
             self.owner.forget();
             return Ok(());
         }
-        let upto = self.owner.revoking(link);
-        match peer.call(Msg::Revoke { mask, upto }.encode()).await {
-            Ok(_) => {
-                self.owner.revoked(mask, upto, link, peer.link_id());
-                Ok(())
-            }
-            Err(_) if peer.link() == PeerLink::Away => {
-                self.owner.forget();
-                Ok(())
-            }
-            Err(_) if peer.link_id() != link => {
-                self.owner.revoked(mask, upto, link, peer.link_id());
-                Ok(())
-            }
-            Err(e) => Err(e),
+        let upto = self.owner.sending();
+        match peer.call(Msg::Revoke { first, last, upto }.encode()).await {
+            Err(_) if peer.link() == PeerLink::Away => self.owner.forget(),
+            Err(e) if peer.link_id() == link => return Err(e),
+            // Answered, or the link changed meanwhile (then nothing of it stays).
+            _ => self
+                .owner
+                .revoked((first, last), upto, (link, peer.link_id())),
         }
+        Ok(())
     }
 
     /// The stripes of a COMPARE AND WRITE: this node's exclusive, and the ownership of
-    /// them across the pair (owner.rs: asked of the other node when this node does not
-    /// own them yet). Returns the held stripes and the link the ownership belongs to
-    /// (`None`: this node acts alone, with no peer or with the peer away, after
-    /// [`Self::go_alone`]). `Err` when the other node failed the call (the command
-    /// then fails: the other node may be writing there) or going alone failed.
+    /// its regions across the pair (owner.rs: asked of the other node when this node
+    /// does not own them yet). Returns the held stripes and the link the ownership
+    /// belongs to (`None`: this node acts alone, with no peer or with the peer away,
+    /// after [`Self::go_alone`]). `Err` when the other node failed the call (the
+    /// command then fails: the other node may be writing there) or going alone failed.
     pub(super) async fn caw_stripes(
         &self,
         lba: u64,
@@ -940,7 +967,9 @@ impl LogicalUnit {
         let Some(peer) = self.peer() else {
             return Ok((self.locks.exclusive(lba, blocks).await, None));
         };
-        let mask = super::lock::StripeLock::mask(lba, blocks);
+        let regions = StripeLock::regions_of(lba, blocks.max(1));
+        let (first, last) = regions;
+        let mask = StripeLock::mask_of(regions);
         loop {
             let link = peer.link_id();
             let held = self.locks.exclusive_mask(mask).await;
@@ -949,7 +978,7 @@ impl LogicalUnit {
                 self.go_alone(peer.as_ref()).await?;
                 return Ok((self.locks.exclusive_mask(mask).await, None));
             }
-            if self.owner.owns(mask, link) {
+            if self.owner.owns(regions, link) {
                 return Ok((held, Some(link)));
             }
             // The other node's stripes first, the resolver's second: the other node
@@ -957,25 +986,20 @@ impl LogicalUnit {
             // resolver lets its own go while it asks (the other node's grant waits for
             // the other node's CAW, which may wait for this node's grant).
             let held = (!peer.is_resolver()).then_some(held);
-            let sent = self.owner.asking(link);
-            match peer
-                .call(
-                    Msg::Lock {
-                        mask,
-                        counter: sent,
-                    }
-                    .encode(),
-                )
-                .await
-            {
+            let sent = self.owner.sending();
+            let msg = Msg::Lock {
+                first,
+                last,
+                counter: sent,
+            };
+            match peer.call(msg.encode()).await {
                 Ok(answer) => {
                     let grant = <[u8; 8]>::try_from(&answer[..])
                         .map(u64::from_be_bytes)
                         .map_err(|_| bad("a grant's number"))?;
                     let owned = self.owner.taken(
-                        mask,
-                        sent,
-                        grant,
+                        regions,
+                        (sent, grant),
                         (link, peer.link_id()),
                         peer.is_resolver(),
                     );
@@ -1024,10 +1048,15 @@ mod tests {
             Msg::PrInstall(Bytes::from_static(b"state")),
             Msg::PrKept,
             Msg::Lock {
-                mask: 1 << 63,
+                first: 1 << 40,
+                last: (1 << 40) + 1,
                 counter: 3,
             },
-            Msg::Revoke { mask: 9, upto: 2 },
+            Msg::Revoke {
+                first: 9,
+                last: 9,
+                upto: 2,
+            },
             Msg::Scsi2 {
                 reserve: true,
                 from: Nexus {

@@ -147,7 +147,8 @@ impl AluaFollower {
                 if now_connected != connected {
                     if connected.is_some() {
                         // The link this node settled is gone (perhaps replaced by a new
-                        // one between two looks): locks held for the peer go with it.
+                        // one between two looks): what the units owned and granted for
+                        // COMPARE AND WRITE goes with it.
                         lu.peer_lost();
                     }
                     connected = now_connected;

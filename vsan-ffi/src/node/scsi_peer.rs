@@ -82,7 +82,7 @@ impl ScsiPeer for MirrorPeer {
             Err(_) => match &self.runtime {
                 Some(rt) => drop(rt.spawn(task)),
                 None => tracing::warn!(
-                    "a SCSI background task (a stripe lock for the other node, or its release) had no runtime to run on"
+                    "a SCSI background task (a message to the other node) had no runtime to run on"
                 ),
             },
         }
