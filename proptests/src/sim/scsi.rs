@@ -855,8 +855,9 @@ pub(crate) struct Window {
     pub caw: bool,
     /// Start and end (`World::seq`; `None` while it runs).
     pub span: (u64, Option<u64>),
-    /// The simulation's link at the start, if both nodes mirrored on it.
-    pub together: Option<u64>,
+    /// The simulation's link at the start and at the end, if both nodes mirrored on
+    /// it.
+    pub together: (Option<u64>, Option<u64>),
 }
 
 /// What the SCSI side did in a run.
@@ -1309,7 +1310,7 @@ impl Sim {
             sectors,
             caw,
             span: (w.seq + 1, None),
-            together,
+            together: (together, None),
         };
         let opened = match (&c.cmd, req) {
             (
@@ -1335,6 +1336,7 @@ impl Sim {
     /// succeeded must have overlapped no other write's or CAW's window on its sector on
     /// its own node, nor on the other node while both mirrored on the same link.
     fn close_window(&mut self, token: u64, good: bool) -> Result<(), String> {
+        let together = self.together();
         let Some(w) = self.world.as_mut() else {
             return Ok(());
         };
@@ -1345,7 +1347,13 @@ impl Sim {
             return Ok(());
         };
         mine.span.1 = Some(end);
+        mine.together.1 = together;
         let mine = mine.clone();
+        // Together on a link at its start or at its end (a CAW that began alone and
+        // ran on into a new link counts on that link).
+        let on = |link: Option<u64>| {
+            link.is_some() && (link == mine.together.0 || link == mine.together.1)
+        };
         if good && mine.caw {
             let s = mine.sectors.0;
             let clash = w.windows.iter().find(|(t, o)| {
@@ -1354,8 +1362,7 @@ impl Sim {
                     && s < o.sectors.0 + o.sectors.1
                     && o.span.0 < end
                     && o.span.1.is_none_or(|e| e > mine.span.0)
-                    && (o.node == mine.node
-                        || (o.together.is_some() && o.together == mine.together))
+                    && (o.node == mine.node || on(o.together.0))
             });
             if let Some((t, o)) = clash {
                 return Err(format!(

@@ -343,14 +343,24 @@ impl LogicalUnit {
             .await
             .map_err(|e| dev_err(e, Access::Read))?;
         let new = f(&current)?;
+        // The link the ownership belongs to (or, alone, the link that was away) must
+        // hold until the write has landed: a new link may let the other node write the
+        // blocks (its grants went with the old link; alone, nothing was granted).
+        let on_link = || owned_on.is_none_or(|link| self.peer_link_id() == link);
+        if !on_link() {
+            tracing::warn!(
+                "COMPARE AND WRITE: the link to the other node changed before its write; refused (retry)"
+            );
+            return Err(Fail::Check(sense::NOT_READY_TRANSITION));
+        }
         self.device
             .write(off, new, flags)
             .await
             .map_err(|e| dev_err(e, Access::Write))?;
-        // The ownership went with its link: the other node may have written the
-        // blocks since, while this node's write may still land later (a write held
-        // across a reconnect), so the COMPARE AND WRITE cannot count as atomic.
-        if owned_on.is_some_and(|link| self.peer_link_id() != link) {
+        // Changed during the write: the other node may have written the blocks since,
+        // while this node's write may still land later (a write held across a
+        // reconnect), so the COMPARE AND WRITE cannot count as atomic.
+        if !on_link() {
             tracing::warn!(
                 "COMPARE AND WRITE: the link to the other node changed while it ran; reported as failed (its write may have landed)"
             );

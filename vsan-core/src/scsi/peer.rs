@@ -956,9 +956,10 @@ impl LogicalUnit {
     /// The stripes of a COMPARE AND WRITE: this node's exclusive, and the ownership of
     /// its regions across the pair (owner.rs: asked of the other node when this node
     /// does not own them yet). Returns the held stripes and the link the ownership
-    /// belongs to (`None`: this node acts alone, with no peer or with the peer away,
-    /// after [`Self::go_alone`]). `Err` when the other node failed the call (the
-    /// command then fails: the other node may be writing there) or going alone failed.
+    /// belongs to, or, with the peer away, the link id after [`Self::go_alone`] (the
+    /// CAW runs alone while it stays the same: a link that comes back changes it);
+    /// `None` without a peer. `Err` when the other node failed the call (the command
+    /// then fails: the other node may be writing there) or going alone failed.
     pub(super) async fn caw_stripes(
         &self,
         lba: u64,
@@ -976,7 +977,7 @@ impl LogicalUnit {
             if peer.link() == PeerLink::Away {
                 drop(held);
                 self.go_alone(peer.as_ref()).await?;
-                return Ok((self.locks.exclusive_mask(mask).await, None));
+                return Ok((self.locks.exclusive_mask(mask).await, Some(link)));
             }
             if self.owner.owns(regions, link) {
                 return Ok((held, Some(link)));
