@@ -10,6 +10,8 @@
 //! - `regressions`: seeds that once found bugs, kept as tests.
 //! - `scsi_seeds`: the SCSI runs (`sim::scsi`), seeds `SIM_SEED_BASE..+SIM_SCSI_SEEDS`
 //!   (default 0..2000); `SIM_SCSI=1` makes `replay` replay a SCSI seed.
+//! - `scsi_shuffled`: the same seeds with the units' tasks woken at one instant polled
+//!   in a seeded order (`sim::run_scsi_shuffled`); `SIM_SCSI=shuffled` replays one.
 //! - `a_lying_disk_is_caught`: the harness can fail: a data device that acknowledges
 //!   flushes without making anything durable loses acknowledged writes, and some seed
 //!   shows it.
@@ -152,7 +154,9 @@ fn replay() {
         Some(s) => (s, true),
         None => (1, false),
     };
-    let r = if std::env::var_os("SIM_SCSI").is_some() {
+    let r = if std::env::var("SIM_SCSI").is_ok_and(|v| v == "shuffled") {
+        sim::run_scsi_shuffled(seed, print)
+    } else if std::env::var_os("SIM_SCSI").is_some() {
         sim::run_scsi(seed, print)
     } else {
         sim::run_with(seed, Sabotage::None, print)
@@ -169,12 +173,21 @@ const DEFAULT_SCSI_SEEDS: u64 = 2_000;
 /// The SCSI simulation (`sim::scsi`): seeds `SIM_SEED_BASE..+SIM_SCSI_SEEDS` (default
 /// 0..2000).
 fn scsi_seeds() {
+    scsi_runs(&|seed| sim::run_scsi(seed, false));
+}
+
+/// [`scsi_seeds`] with the tasks of one instant polled in a seeded order.
+fn scsi_shuffled() {
+    scsi_runs(&|seed| sim::run_scsi_shuffled(seed, false));
+}
+
+fn scsi_runs(run: &(dyn Fn(u64) -> Result<sim::Outcome, sim::Failure> + Sync)) {
     let started = Instant::now();
     let base = env_u64("SIM_SEED_BASE").unwrap_or(0);
     let count = env_u64("SIM_SCSI_SEEDS").unwrap_or(DEFAULT_SCSI_SEEDS);
     let next = AtomicU64::new(base);
     let end = base + count;
-    let (totals, failures) = run_seeds(&next, &|s| s < end, &|seed| sim::run_scsi(seed, false));
+    let (totals, failures) = run_seeds(&next, &|s| s < end, run);
     let stats = totals.scsi;
     println!(
         "simulation: {} SCSI seeds passed (seeds {base}..{end}) in {:.1} s: {} writes ({} \
@@ -273,9 +286,10 @@ fn a_lying_disk_is_caught() {
 }
 
 /// The parts of this binary, by name.
-const PARTS: [(&str, fn()); 5] = [
+const PARTS: [(&str, fn()); 6] = [
     ("seeds", seeds),
     ("scsi_seeds", scsi_seeds),
+    ("scsi_shuffled", scsi_shuffled),
     ("replay", replay),
     ("regressions", regressions),
     ("a_lying_disk_is_caught", a_lying_disk_is_caught),

@@ -6,8 +6,10 @@
 //! # How the units run
 //!
 //! A unit is async code; the simulation has no runtime. `Exec` is a tiny executor of
-//! its own: tasks are polled in the order of their ids when woken, all at one simulated
-//! instant, so a run stays a pure function of its seed. A unit reaches its node only
+//! its own: the tasks woken at one simulated instant are polled in the order of their
+//! ids, or (`run_scsi_shuffled`) in an order drawn from the seed, since a real runtime
+//! may run a reply's waiter before or after a call that came in behind the reply; a
+//! run stays a pure function of its seed. A unit reaches its node only
 //! through the `Shared` queues: its [`BlockDevice`] (`SimDevice`) and its
 //! [`ScsiPeer`] (`SimPeer`) push requests there, the simulation submits them to the
 //! node's endpoint and completes them from the endpoint's events, and whatever the unit
@@ -401,9 +403,22 @@ pub(crate) struct Exec {
     next: u64,
     tasks: BTreeMap<u64, (usize, Task)>,
     woken: Arc<Mutex<BTreeSet<u64>>>,
+    /// Orders the tasks woken at one instant (from the seed).
+    rng: Option<rand::rngs::SmallRng>,
 }
 
 impl Exec {
+    /// An executor that polls the tasks woken at one instant in an order drawn from
+    /// `seed` (a real runtime runs them in any order: a reply's waiter and a call that
+    /// came in after it, say).
+    pub fn seeded(seed: u64) -> Exec {
+        use rand::SeedableRng;
+        Exec {
+            rng: Some(rand::rngs::SmallRng::seed_from_u64(seed)),
+            ..Exec::default()
+        }
+    }
+
     /// Run `f` as a task of node `node`; returns its id.
     pub fn spawn(&mut self, node: usize, f: impl Future<Output = Out> + 'static) -> u64 {
         self.next += 1;
@@ -428,9 +443,13 @@ impl Exec {
     /// Poll the woken tasks once each, in id order; returns whether any was polled and
     /// the outputs of those that finished.
     pub fn run_once(&mut self) -> (bool, Vec<Out>) {
-        let woken: Vec<u64> = std::mem::take(&mut *self.woken.lock().unwrap())
+        let mut woken: Vec<u64> = std::mem::take(&mut *self.woken.lock().unwrap())
             .into_iter()
             .collect();
+        if let Some(rng) = self.rng.as_mut() {
+            use rand::seq::SliceRandom;
+            woken.shuffle(rng);
+        }
         let mut outs = Vec::new();
         let mut polled = false;
         for id in woken {

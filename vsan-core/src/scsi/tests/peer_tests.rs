@@ -326,3 +326,78 @@ fn a_write_that_waited_while_a_new_link_came_up_is_refused_and_writes_nothing() 
         );
     }
 }
+
+/// A device that brings the link to the other node back (link 2) when the unit reads
+/// (`on_read`) or writes.
+struct LinkBackDevice {
+    inner: MemDevice,
+    peer: Arc<FlappingPeer>,
+    on_read: bool,
+}
+
+impl BlockDevice for LinkBackDevice {
+    fn geometry(&self) -> Geometry {
+        self.inner.geometry()
+    }
+    fn read(&self, offset: u64, len: usize) -> IoFuture<'_, Bytes> {
+        if self.on_read {
+            self.peer.link.store(2, Ordering::Relaxed);
+        }
+        self.inner.read(offset, len)
+    }
+    fn write(&self, offset: u64, data: Bytes, flags: crate::IoFlags) -> IoFuture<'_, ()> {
+        if !self.on_read {
+            self.peer.link.store(2, Ordering::Relaxed);
+        }
+        self.inner.write(offset, data, flags)
+    }
+    fn flush(&self) -> IoFuture<'_, ()> {
+        self.inner.flush()
+    }
+    fn discard(&self, offset: u64, len: u64, flags: crate::IoFlags) -> IoFuture<'_, ()> {
+        self.inner.discard(offset, len, flags)
+    }
+    fn write_zeroes(&self, offset: u64, len: u64, flags: crate::IoFlags) -> IoFuture<'_, ()> {
+        self.inner.write_zeroes(offset, len, flags)
+    }
+}
+
+#[test]
+fn a_caw_alone_that_a_new_link_joins_is_refused_before_its_write_and_failed_during_it() {
+    // With the peer away the CAW flushes alone and runs without the other node; the
+    // link comes back while it reads (refused, retry: nothing written) or while it
+    // writes (HARDWARE ERROR: it may have landed after what the other node wrote).
+    // Nothing was granted alone, so the other node's writes on the new link do not
+    // wait for it.
+    for on_read in [true, false] {
+        let peer = Arc::new(FlappingPeer {
+            link: AtomicU64::new(0),
+        });
+        let dev = Arc::new(LinkBackDevice {
+            inner: MemDevice::new(
+                Geometry::with_max_io(2048 * u64::from(BS), BS, 64 << 10).unwrap(),
+            ),
+            peer: peer.clone(),
+            on_read,
+        });
+        let lu = LogicalUnit::new(dev.clone(), config(None)).unwrap();
+        lu.set_peer(peer.clone());
+        let h = attach(&lu, "a").now_or_never().unwrap();
+        peer.link.store(0, Ordering::Relaxed);
+        let mut data = pattern(1, 0);
+        data.extend(pattern(1, 0xca));
+        let r = run(&lu, &h, &caw(4, 1), &data).now_or_never().unwrap();
+        let block = dev
+            .inner
+            .read(4 * u64::from(BS), BS as usize)
+            .now_or_never()
+            .unwrap()
+            .unwrap();
+        if on_read {
+            assert_eq!(sense_of(&r), (2, 0x04, 0x0A), "refused before the write");
+            assert!(block.iter().all(|&b| b == 0), "nothing written");
+        } else {
+            assert_eq!(sense_of(&r), (4, 0x44, 0x00), "failed: may have landed");
+        }
+    }
+}
