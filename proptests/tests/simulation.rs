@@ -252,7 +252,15 @@ const SCSI_REGRESSIONS: &[(u64, &str)] = &[
     (36689, "fixed-pr-out-over-new-link-acked"),
     (39116, "fixed-flush-alone-ends-while-connected"),
     (11930, "fixed-caw-alone-without-commit"),
+    (1, "scsi-caw-writes-ignore-grants"),
+    (1, "scsi-caw-grant-without-drain"),
+    (1, "scsi-caw-revoke-without-wait"),
+    (17, "scsi-caw-revoke-clears-newer-grant"),
 ];
+
+/// The same for the SCSI runs with the tasks of an instant in a seeded order
+/// (`sim::run_scsi_shuffled`; `SIM_PARTS=scsi_shuffled` in run.sh).
+const SCSI_SHUFFLED_REGRESSIONS: &[(u64, &str)] = &[(4, "scsi-caw-void-grant-kept")];
 
 fn regressions() {
     for &(seed, patch) in REGRESSIONS {
@@ -263,6 +271,11 @@ fn regressions() {
     for &(seed, patch) in SCSI_REGRESSIONS {
         if let Err(f) = sim::run_scsi(seed, false) {
             panic!("SCSI seed {seed} (kept for {patch}.patch): {f}");
+        }
+    }
+    for &(seed, patch) in SCSI_SHUFFLED_REGRESSIONS {
+        if let Err(f) = sim::run_scsi_shuffled(seed, false) {
+            panic!("shuffled SCSI seed {seed} (kept for {patch}.patch): {f}");
         }
     }
 }
