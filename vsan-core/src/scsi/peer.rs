@@ -36,7 +36,7 @@
 //!   judged by a reservation state the pair has moved past (a key preempted while
 //!   this node was away, say).
 //! - **COMPARE AND WRITE** runs under its own node's stripe lock (exclusive) on
-//!   stripes its node *owns* across the pair ([`super::owner`]): asked of the other
+//!   stripes its node *owns* across the pair (`owner.rs`): asked of the other
 //!   node once (`Msg::Lock`: the other node's writes in flight there end first, and its
 //!   later writes there take the stripes back with `Msg::Revoke`, which waits for the
 //!   CAW running here), then kept, so CAWs on the same blocks through one node cost no
