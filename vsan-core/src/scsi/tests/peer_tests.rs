@@ -401,3 +401,48 @@ fn a_caw_alone_that_a_new_link_joins_is_refused_before_its_write_and_failed_duri
         }
     }
 }
+
+/// A peer away whose mirror refuses to go on alone (no quorum).
+struct NoQuorumPeer;
+
+impl ScsiPeer for NoQuorumPeer {
+    fn is_resolver(&self) -> bool {
+        false
+    }
+    fn link(&self) -> PeerLink {
+        PeerLink::Away
+    }
+    fn call(&self, _msg: Bytes) -> IoFuture<'_, Bytes> {
+        Box::pin(async { Err(crate::error::Error::new(ErrorKind::Closed, "away")) })
+    }
+    fn changed_alone(&self) -> IoFuture<'_, ()> {
+        Box::pin(async { Err(crate::error::Error::new(ErrorKind::NoQuorum, "no quorum")) })
+    }
+    fn link_id(&self) -> u64 {
+        0
+    }
+    fn spawn(&self, task: BackgroundTask) {
+        let _ = task.now_or_never();
+    }
+}
+
+#[test]
+fn a_caw_with_the_peer_away_and_no_quorum_writes_nothing() {
+    // Alone, a CAW first makes the mirror commit to going on without the other node
+    // (a flush alone); refused (no quorum), the CAW fails before it compares: NOT READY,
+    // use the other path, the block untouched.
+    let dev = device();
+    let lu = LogicalUnit::new(dev.clone(), config(None)).unwrap();
+    lu.set_peer(Arc::new(NoQuorumPeer));
+    let h = attach(&lu, "a").now_or_never().unwrap();
+    let mut data = pattern(1, 0);
+    data.extend(pattern(1, 0xca));
+    let r = run(&lu, &h, &caw(4, 1), &data).now_or_never().unwrap();
+    assert_eq!(sense_of(&r).0, 2, "NOT READY: {r:?}");
+    let block = dev
+        .read(4 * u64::from(BS), BS as usize)
+        .now_or_never()
+        .unwrap()
+        .unwrap();
+    assert!(block.iter().all(|&b| b == 0), "nothing written");
+}
