@@ -248,8 +248,7 @@ const SCSI_REGRESSIONS: &[(u64, &str)] = &[
     (11, "fixed-waiting-write-admitted-on-old-link"),
     (1643, "fixed-caw-admitted-on-old-link"),
     (16977, "fixed-forwarded-pr-out-applied-over-new-link"),
-    (36689, "fixed-pr-out-over-new-link-acked"),
-    (39116, "fixed-flush-alone-ends-while-connected"),
+    (16977, "fixed-pr-out-over-new-link-acked"),
     (1, "scsi-caw-writes-ignore-grants"),
     (1, "scsi-caw-grant-without-drain"),
     (1, "scsi-caw-revoke-without-wait"),
@@ -258,7 +257,10 @@ const SCSI_REGRESSIONS: &[(u64, &str)] = &[
 
 /// The same for the SCSI runs with the tasks of an instant in a seeded order
 /// (`sim::run_scsi_shuffled`; `SIM_PARTS=scsi_shuffled` in run.sh).
-const SCSI_SHUFFLED_REGRESSIONS: &[(u64, &str)] = &[(1, "scsi-caw-void-grant-kept")];
+const SCSI_SHUFFLED_REGRESSIONS: &[(u64, &str)] = &[
+    (1, "scsi-caw-void-grant-kept"),
+    (8115, "fixed-flush-alone-ends-while-connected"),
+];
 
 fn regressions() {
     for &(seed, patch) in REGRESSIONS {
