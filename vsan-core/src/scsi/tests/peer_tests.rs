@@ -131,21 +131,47 @@ async fn caws_through_one_node_ask_the_other_once_until_its_writes_take_the_bloc
     assert_eq!(&block[..4], &8u32.to_be_bytes(), "eight increments");
 }
 
-/// A device whose writes wait while `held` is set.
-struct GatedDevice {
+/// A test device over a `MemDevice`: its writes wait while `held` is set, and with
+/// `link_back` it brings the link to the other node back (link 2) when the unit reads
+/// (`true`) or writes (`false`).
+struct HookedDevice {
     inner: MemDevice,
     held: std::sync::atomic::AtomicBool,
     open: tokio::sync::Notify,
+    link_back: Option<(Arc<FlappingPeer>, bool)>,
 }
 
-impl BlockDevice for GatedDevice {
+impl HookedDevice {
+    fn new(link_back: Option<(Arc<FlappingPeer>, bool)>) -> Arc<HookedDevice> {
+        Arc::new(HookedDevice {
+            inner: MemDevice::new(
+                Geometry::with_max_io(2048 * u64::from(BS), BS, 64 << 10).unwrap(),
+            ),
+            held: std::sync::atomic::AtomicBool::new(false),
+            open: tokio::sync::Notify::new(),
+            link_back,
+        })
+    }
+
+    fn hook(&self, reading: bool) {
+        if let Some((peer, on_read)) = &self.link_back {
+            if *on_read == reading {
+                peer.link.store(2, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+impl BlockDevice for HookedDevice {
     fn geometry(&self) -> Geometry {
         self.inner.geometry()
     }
     fn read(&self, offset: u64, len: usize) -> IoFuture<'_, Bytes> {
+        self.hook(true);
         self.inner.read(offset, len)
     }
     fn write(&self, offset: u64, data: Bytes, flags: crate::IoFlags) -> IoFuture<'_, ()> {
+        self.hook(false);
         Box::pin(async move {
             while self.held.load(Ordering::SeqCst) {
                 self.open.notified().await;
@@ -166,11 +192,7 @@ impl BlockDevice for GatedDevice {
 
 #[tokio::test]
 async fn a_write_through_the_granting_node_waits_for_the_owners_caw_and_lands_after_it() {
-    let dev = Arc::new(GatedDevice {
-        inner: MemDevice::new(Geometry::with_max_io(2048 * u64::from(BS), BS, 64 << 10).unwrap()),
-        held: std::sync::atomic::AtomicBool::new(false),
-        open: tokio::sync::Notify::new(),
-    });
+    let dev = HookedDevice::new(None);
     for owner in [1, 0] {
         let units = pair(dev.clone());
         let ((uo, po), (uw, pw)) = (&units[owner], &units[1 - owner]);
@@ -327,41 +349,6 @@ fn a_write_that_waited_while_a_new_link_came_up_is_refused_and_writes_nothing() 
     }
 }
 
-/// A device that brings the link to the other node back (link 2) when the unit reads
-/// (`on_read`) or writes.
-struct LinkBackDevice {
-    inner: MemDevice,
-    peer: Arc<FlappingPeer>,
-    on_read: bool,
-}
-
-impl BlockDevice for LinkBackDevice {
-    fn geometry(&self) -> Geometry {
-        self.inner.geometry()
-    }
-    fn read(&self, offset: u64, len: usize) -> IoFuture<'_, Bytes> {
-        if self.on_read {
-            self.peer.link.store(2, Ordering::Relaxed);
-        }
-        self.inner.read(offset, len)
-    }
-    fn write(&self, offset: u64, data: Bytes, flags: crate::IoFlags) -> IoFuture<'_, ()> {
-        if !self.on_read {
-            self.peer.link.store(2, Ordering::Relaxed);
-        }
-        self.inner.write(offset, data, flags)
-    }
-    fn flush(&self) -> IoFuture<'_, ()> {
-        self.inner.flush()
-    }
-    fn discard(&self, offset: u64, len: u64, flags: crate::IoFlags) -> IoFuture<'_, ()> {
-        self.inner.discard(offset, len, flags)
-    }
-    fn write_zeroes(&self, offset: u64, len: u64, flags: crate::IoFlags) -> IoFuture<'_, ()> {
-        self.inner.write_zeroes(offset, len, flags)
-    }
-}
-
 #[test]
 fn a_caw_alone_that_a_new_link_joins_is_refused_before_its_write_and_failed_during_it() {
     // With the peer away the CAW flushes alone and runs without the other node; the
@@ -373,13 +360,7 @@ fn a_caw_alone_that_a_new_link_joins_is_refused_before_its_write_and_failed_duri
         let peer = Arc::new(FlappingPeer {
             link: AtomicU64::new(0),
         });
-        let dev = Arc::new(LinkBackDevice {
-            inner: MemDevice::new(
-                Geometry::with_max_io(2048 * u64::from(BS), BS, 64 << 10).unwrap(),
-            ),
-            peer: peer.clone(),
-            on_read,
-        });
+        let dev = HookedDevice::new(Some((peer.clone(), on_read)));
         let lu = LogicalUnit::new(dev.clone(), config(None)).unwrap();
         lu.set_peer(peer.clone());
         let h = attach(&lu, "a").now_or_never().unwrap();
