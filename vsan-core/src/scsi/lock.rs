@@ -77,8 +77,13 @@ impl StripeLock {
     }
 
     /// Take the stripes of a range shared (a write).
+    #[cfg(test)]
     pub async fn shared(&self, lba: u64, blocks: u64) -> Held<'_> {
-        let m = Self::mask(lba, blocks);
+        self.shared_mask(Self::mask(lba, blocks)).await
+    }
+
+    /// Take the stripes of a bit set ([`Self::mask`]) shared.
+    pub async fn shared_mask(&self, m: u64) -> Held<'_> {
         if m == 0 {
             return Held::None;
         }
@@ -104,8 +109,14 @@ impl StripeLock {
 
     /// Take the stripes of a range shared if none is held exclusive now (`None`: one
     /// is; nothing is held then).
+    #[cfg(test)]
     pub fn try_shared(&self, lba: u64, blocks: u64) -> Option<Held<'_>> {
-        let m = Self::mask(lba, blocks);
+        self.try_shared_mask(Self::mask(lba, blocks))
+    }
+
+    /// Take the stripes of a bit set ([`Self::mask`]) shared if none is held exclusive
+    /// now (`None`: one is; nothing is held then).
+    pub fn try_shared_mask(&self, m: u64) -> Option<Held<'_>> {
         if m == 0 {
             return Some(Held::None);
         }

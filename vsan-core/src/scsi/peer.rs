@@ -36,13 +36,13 @@
 //!   judged by a reservation state the pair has moved past (a key preempted while
 //!   this node was away, say).
 //! - **COMPARE AND WRITE** runs under its own node's stripe lock (exclusive) on
-//!   stripes its node *owns* across the pair (`owner.rs`): asked of the other
+//!   regions its node *owns* across the pair (`owner.rs`): asked of the other
 //!   node once (`Msg::Lock`: the other node's writes in flight there end first, and its
-//!   later writes there take the stripes back with `Msg::Revoke`, which waits for the
+//!   later writes there take the regions back with `Msg::Revoke`, which waits for the
 //!   CAW running here), then kept, so CAWs on the same blocks through one node cost no
 //!   message of their own. Writes take their own node's stripes shared and complete on
-//!   both replicas before they release them, so while a node owns a stripe and holds it
-//!   exclusive, nothing writes those blocks through either node. The other node asks
+//!   both replicas before they release them, so while a node owns a region and holds
+//!   its stripe exclusive, nothing writes those blocks through either node. The other node asks
 //!   holding its own stripes, the resolver with its own released, so two of them never
 //!   wait on each other in a cycle. Ownership belongs to one link: both nodes forget it
 //!   when the link goes (no lease, which could run out under a CAW still running).
@@ -907,14 +907,14 @@ impl LogicalUnit {
             return Ok(super::lock::Held::None);
         };
         let mask = StripeLock::mask_of(regions);
-        if let Some(held) = self.locks.try_shared(lba, blocks) {
+        if let Some(held) = self.locks.try_shared_mask(mask) {
             if self.owner.granted(regions, mask).is_none() {
                 return Ok(held);
             }
         }
         let admitted = self.peer_link_id();
         loop {
-            let held = self.locks.shared(lba, blocks).await;
+            let held = self.locks.shared_mask(mask).await;
             self.same_link(admitted)?;
             let Some(busy) = self.owner.granted(regions, mask) else {
                 return Ok(held);
