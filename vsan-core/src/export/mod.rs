@@ -3,3 +3,5 @@
 
 pub mod iscsi;
 pub mod nbd;
+#[cfg(target_os = "linux")]
+pub mod vhost_user;
