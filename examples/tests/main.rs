@@ -27,4 +27,5 @@ mod replication_garbage;
 mod resync_nodes;
 mod split_brain;
 mod transports;
+mod vhost_node;
 mod witness;

@@ -16,7 +16,16 @@
 //!
 //! Once all listeners are bound it prints one line per disk on stdout,
 //! `ready disk=<name> nbd=<address>`, with the actual port when the config said port 0,
-//! then one per iSCSI target, `ready disk=<name> iscsi=<portal> target=<iqn>`.
+//! then one per iSCSI target, `ready disk=<name> iscsi=<portal> target=<iqn>`, then
+//! one per vhost-user-blk socket, `ready disk=<name> vhost_user=<path>`.
+//!
+//! A disk with `vhost_user = "<socket path>"` (Linux) is also served to VMs on this host
+//! through shared memory (QEMU's `vhost-user-blk-pci`, cloud-hypervisor, libblkio), with
+//! `vhost_user_queues` queues (default 1) and an optional `vhost_user_busy_poll_us`
+//! polling window; one front end at a time, a new one after it disconnects. Its
+//! requests go to the same device as NBD and iSCSI (a mirrored replica not yet proven
+//! current makes them wait), and GET_ID answers the disk's serial, the same on both
+//! nodes.
 //! With `node.metrics` it prints `ready metrics=<address>` before those: the node's
 //! metrics (per-disk I/O counts, bytes and latency, mirror link and resync state, cache
 //! dirty bytes) in the Prometheus text format at `GET /metrics` there. With `node.mgmt`
@@ -72,7 +81,7 @@ use vsan_replica::protocol::{Awaiting, Freshness, LinkState, SyncKind, SyncRole}
 #[derive(Parser, Debug)]
 #[command(
     version,
-    about = "vsan node daemon: serves the configured disks over NBD and iSCSI"
+    about = "vsan node daemon: serves the configured disks over NBD, iSCSI and vhost-user-blk"
 )]
 struct Args {
     /// Path of the node configuration (TOML).

@@ -446,6 +446,9 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                     for line in mc::iscsi_lines(s).lines() {
                         println!("{}: {}", s.name, line.trim_start());
                     }
+                    for line in mc::vhost_user_lines(s).lines() {
+                        println!("{}: {}", s.name, line.trim_start());
+                    }
                 }
             }
         }

@@ -39,6 +39,8 @@ pub struct Side {
     peer_lines: String,
     /// More `[node]` lines (the management service, say).
     node_lines: String,
+    /// More lines of the disk's `[[disk]]` section.
+    disk_lines: String,
 }
 
 impl Side {
@@ -57,6 +59,7 @@ impl Side {
             transport: "tcp",
             peer_lines: String::new(),
             node_lines: String::new(),
+            disk_lines: String::new(),
         }
     }
 
@@ -70,6 +73,12 @@ impl Side {
     /// More `[node]` lines (`key = value`, one per line).
     pub fn node_lines(mut self, lines: &str) -> Side {
         self.node_lines = lines.to_string();
+        self
+    }
+
+    /// More lines of the `[[disk]]` section (`key = value`, one per line).
+    pub fn disk_lines(mut self, lines: &str) -> Side {
+        self.disk_lines = lines.to_string();
         self
     }
 
@@ -149,6 +158,7 @@ impl Side {
         if let Some(r) = self.resync_rate {
             s += &format!("resync_rate = {}\n", toml_str(r));
         }
+        s += &self.disk_lines;
         s
     }
 }

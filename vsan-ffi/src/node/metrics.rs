@@ -48,6 +48,11 @@
 //! | `vsan_iscsi_sessions_open{portal}` | gauge | iSCSI sessions open there now |
 //! | `vsan_iscsi_logins_refused_total{portal}` | counter | logins refused there (authentication, bad keys, unknown target) |
 //! | `vsan_iscsi_target_sessions{target}` | gauge | sessions logged in to the disk's iSCSI target |
+//! | `vsan_vhost_user_connected` | gauge | 1 while a vhost-user front end is connected to the disk's socket |
+//! | `vsan_vhost_user_connections_total` | counter | vhost-user front ends accepted there |
+//! | `vsan_vhost_user_{requests,reads,writes,errors,bad_chains}_total{queue}` | counter | per queue of the disk's vhost-user export: chains taken, reads and writes completed, requests failed by the disk (IOERR), chains refused as malformed |
+//! | `vsan_vhost_user_{read,written}_bytes_total{queue}` | counter | bytes read and written through the queue |
+//! | `vsan_vhost_user_in_flight{queue}` | gauge | requests of the queue running now |
 //!
 //! Mirror metrics exist for mirrored disks, cache metrics for cached ones, iSCSI metrics
 //! for disks with a target (iSCSI I/O is also counted by the `vsan_disk_*` metrics: it
@@ -619,8 +624,114 @@ impl Collector for DiskStates {
                 }
             }
         }
-        iscsi_metrics(&disks, &mut encoder)
+        iscsi_metrics(&disks, &mut encoder)?;
+        #[cfg(target_os = "linux")]
+        vhost_user_metrics(&disks, &mut encoder)?;
+        Ok(())
     }
+}
+
+/// The vhost-user-blk metrics: per disk, whether a front end is connected and how many
+/// were accepted; per disk and queue, its requests, bytes, failures and refused chains.
+#[cfg(target_os = "linux")]
+fn vhost_user_metrics(
+    disks: &[NodeDisk],
+    encoder: &mut DescriptorEncoder,
+) -> std::result::Result<(), fmt::Error> {
+    use MetricType::{Counter as C, Gauge as G};
+    use vsan_core::export::vhost_user::QueueCounters;
+    let exports: Vec<(&str, vsan_core::export::vhost_user::VhostUserStatus)> = disks
+        .iter()
+        .filter_map(|d| Some((d.name.as_str(), d.vhost_user.as_ref()?.status())))
+        .collect();
+    if exports.is_empty() {
+        return Ok(());
+    }
+    let mut metric = encoder.encode_descriptor(
+        "vsan_vhost_user_connected",
+        "1 while a vhost-user front end is connected to the disk's socket.",
+        None,
+        G,
+    )?;
+    for (disk, st) in &exports {
+        gauge(u64::from(st.connected)).encode(metric.encode_family(&[("disk", *disk)])?)?;
+    }
+    let mut metric = encoder.encode_descriptor(
+        "vsan_vhost_user_connections",
+        "vhost-user front ends accepted on the disk's socket.",
+        None,
+        C,
+    )?;
+    for (disk, st) in &exports {
+        ConstCounter::new(st.connections).encode(metric.encode_family(&[("disk", *disk)])?)?;
+    }
+    type Stat = fn(&QueueCounters) -> u64;
+    let rows: [(&str, &str, MetricType, Stat); 8] = [
+        (
+            "vsan_vhost_user_requests",
+            "Descriptor chains the queue took from its ring.",
+            C,
+            |q| q.requests,
+        ),
+        (
+            "vsan_vhost_user_reads",
+            "Reads the queue completed.",
+            C,
+            |q| q.reads,
+        ),
+        (
+            "vsan_vhost_user_writes",
+            "Writes the queue completed.",
+            C,
+            |q| q.writes,
+        ),
+        (
+            "vsan_vhost_user_read_bytes",
+            "Bytes the queue read.",
+            C,
+            |q| q.read_bytes,
+        ),
+        (
+            "vsan_vhost_user_written_bytes",
+            "Bytes the queue wrote.",
+            C,
+            |q| q.written_bytes,
+        ),
+        (
+            "vsan_vhost_user_errors",
+            "Requests answered IOERR because the disk failed them.",
+            C,
+            |q| q.errors,
+        ),
+        (
+            "vsan_vhost_user_bad_chains",
+            "Chains refused as malformed or hostile.",
+            C,
+            |q| q.bad_chains,
+        ),
+        (
+            "vsan_vhost_user_in_flight",
+            "Requests of the queue running now.",
+            G,
+            |q| q.in_flight,
+        ),
+    ];
+    for (name, help, kind, stat) in rows {
+        let mut metric = encoder.encode_descriptor(name, help, None, kind)?;
+        for (disk, st) in &exports {
+            for (i, q) in st.queues.iter().enumerate() {
+                let queue = i.to_string();
+                let labels = [("disk", *disk), ("queue", queue.as_str())];
+                let encoder = metric.encode_family(&labels)?;
+                if kind == C {
+                    ConstCounter::new(stat(q)).encode(encoder)?;
+                } else {
+                    gauge(stat(q)).encode(encoder)?;
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The iSCSI metrics: per portal, its server's counters (one server serves every
@@ -987,6 +1098,8 @@ mod tests {
             transport: None,
             nbd: None,
             iscsi: None,
+            #[cfg(target_os = "linux")]
+            vhost_user: None,
             cache: None,
         };
         let endpoint = metrics.serve(move || vec![disk.clone()]);

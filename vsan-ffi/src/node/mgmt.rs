@@ -236,6 +236,32 @@ pub(crate) fn status_of(d: &NodeDisk) -> v1::DiskStatus {
             })
             .collect();
     }
+    #[cfg(target_os = "linux")]
+    if let Some(e) = &d.vhost_user {
+        let st = e.status();
+        s.vhost_user = e.path().display().to_string();
+        s.vhost_user_connected = st.connected;
+        s.vhost_user_connections = st.connections;
+        s.vhost_user_features = st.features;
+        s.vhost_user_queues = st
+            .queues
+            .into_iter()
+            .map(|q| v1::VhostUserQueue {
+                requests: q.requests,
+                reads: q.reads,
+                writes: q.writes,
+                flushes: q.flushes,
+                discards: q.discards,
+                write_zeroes: q.write_zeroes,
+                errors: q.errors,
+                bad_chains: q.bad_chains,
+                read_bytes: q.read_bytes,
+                written_bytes: q.written_bytes,
+                in_flight: q.in_flight,
+                unsupported: q.unsupported,
+            })
+            .collect();
+    }
     if let Some(m) = &d.mirror {
         let st = m.status();
         s.link = match st.link {
@@ -766,6 +792,8 @@ async fn create(shared: &Shared, d: &DiskSection) -> Result<NodeDisk, Status> {
         transport: peer.map(|(_, p)| p.transport.word().to_string()),
         nbd: None,
         iscsi: None,
+        #[cfg(target_os = "linux")]
+        vhost_user: None,
         cache: None,
     };
     if let Some((addr, listener)) = nbd {
@@ -834,6 +862,16 @@ async fn delete(
             )));
         }
     }
+    #[cfg(target_os = "linux")]
+    if let Some(e) = &disk.vhost_user {
+        if e.status().connected && !force {
+            return Err(Status::failed_precondition(format!(
+                "disk {name} has a vhost-user front end connected on {}; stop the VM or \
+                 delete with force",
+                e.path().display()
+            )));
+        }
+    }
     if let Some((addr, server)) = &disk.nbd {
         let others: Vec<String> = server
             .exports()
@@ -861,6 +899,12 @@ async fn delete(
         {
             warn!(disk = %name, "NBD clients did not finish within 10 s; closing them");
         }
+    }
+    #[cfg(target_os = "linux")]
+    if let Some(e) = &disk.vhost_user {
+        // Its requests in flight complete first (off the runtime's threads).
+        let e = Arc::clone(e);
+        let _ = tokio::task::spawn_blocking(move || e.shutdown()).await;
     }
     if let Some(t) = &disk.iscsi {
         t.server.shutdown();

@@ -128,6 +128,9 @@ pub struct NodeDisk {
     pub nbd: Option<(String, Server)>,
     /// The iSCSI target the disk is LUN 0 of, when it has an `iscsi` portal.
     pub iscsi: Option<IscsiExport>,
+    /// The vhost-user-blk export, when the disk has a `vhost_user` socket.
+    #[cfg(target_os = "linux")]
+    pub vhost_user: Option<Arc<vsan_core::export::vhost_user::VhostUserExport>>,
     /// The write-back cache under the mirror (or under clients), when configured.
     pub cache: Option<Arc<WriteBackCache>>,
 }
@@ -143,7 +146,18 @@ impl std::fmt::Debug for NodeDisk {
                 "iscsi",
                 &self.iscsi.as_ref().map(|e| (&e.portal, &e.target)),
             )
+            .field("vhost_user", &self.vhost_user_path())
             .finish()
+    }
+}
+
+impl NodeDisk {
+    /// The socket of the disk's vhost-user-blk export, if it has one.
+    pub fn vhost_user_path(&self) -> Option<&std::path::Path> {
+        #[cfg(target_os = "linux")]
+        return self.vhost_user.as_ref().map(|e| e.path());
+        #[cfg(not(target_os = "linux"))]
+        None
     }
 }
 
@@ -302,7 +316,7 @@ impl Node {
         &self.ready_lines
     }
 
-    /// Stop the node: stop accepting NBD and iSCSI connections and requests, let requests
+    /// Stop the node: stop accepting NBD, iSCSI and vhost-user connections and requests, let requests
     /// in flight finish (up to [`DRAIN_TIMEOUT`]), flush every disk, stop the replication links,
     /// close every mirror (metadata marked clean) and then every cache (everything
     /// destaged, marked clean). Everything is closed even when a step fails; the error
@@ -342,7 +356,21 @@ impl Node {
                 warn!("an iSCSI portal stopped serving: {e}");
             }
         }
+        // vhost-user front ends: each export completes its requests in flight, then
+        // disconnects (off the runtime's threads: those requests may need them).
+        #[cfg(target_os = "linux")]
+        let vhost: Vec<_> = self
+            .shared
+            .disks
+            .read()
+            .iter()
+            .filter_map(|d| d.vhost_user.clone())
+            .collect();
         let drained = tokio::time::timeout(DRAIN_TIMEOUT, async {
+            #[cfg(target_os = "linux")]
+            for export in vhost {
+                let _ = tokio::task::spawn_blocking(move || export.shutdown()).await;
+            }
             for server in &servers {
                 server.wait_idle().await;
             }

@@ -100,8 +100,12 @@ impl Node {
         ready_lines.extend(ready_lines_pre);
         // Every fallible step before any server task starts.
         let portals = targets_of_portals(config, portals, &mut disks).await?;
+        #[cfg(target_os = "linux")]
+        let vhost_lines = start_vhost_user(config, &mut disks)?;
         let served = serve_exports(exports, &mut disks, &mut ready_lines)?;
         let portals = portals.serve(&mut ready_lines);
+        #[cfg(target_os = "linux")]
+        ready_lines.extend(vhost_lines);
         info!(
             id = node.id,
             disks = disks.len(),
@@ -473,6 +477,8 @@ impl Starting<'_> {
             }),
             nbd: None,
             iscsi: None,
+            #[cfg(target_os = "linux")]
+            vhost_user: None,
             cache: disk_cache,
         };
         Ok((disk, cache_line))
@@ -593,6 +599,42 @@ fn serve_exports(
         served.servers.push(server);
     }
     Ok(served)
+}
+
+/// Start the vhost-user-blk export of every disk with a `vhost_user` socket; their
+/// `ready disk=<name> vhost_user=<path>` lines. The export serves the same device as
+/// NBD and iSCSI (the mirror, where the disk has a peer: a replica not yet proven
+/// current makes its requests wait like theirs), with the serial iSCSI reports (VPD
+/// 0x80), the same on both nodes.
+#[cfg(target_os = "linux")]
+fn start_vhost_user(config: &Config, disks: &mut [NodeDisk]) -> Result<Vec<String>, StartError> {
+    use vsan_core::export::vhost_user::{VhostUserExport, VhostUserOptions};
+    let mut lines = Vec::new();
+    for (i, d) in config.disk.iter().enumerate() {
+        let (Some(path), Some(disk)) = (&d.vhost_user, disks.get_mut(i)) else {
+            continue;
+        };
+        let options = VhostUserOptions {
+            queues: d.vhost_user_queues.unwrap_or(1),
+            serial: LuIdentity::from_disk_id(&DiskId::from_name(&d.name).to_string()).serial,
+            busy_poll: Duration::from_micros(d.vhost_user_busy_poll_us.unwrap_or(0)),
+            ..VhostUserOptions::default()
+        };
+        let export = VhostUserExport::start(
+            path,
+            Arc::clone(&disk.device),
+            options,
+            tokio::runtime::Handle::current(),
+        )
+        .map_err(|e| StartError::Runtime(format!("key `disk[{i}].vhost_user`: {}", e.context())))?;
+        lines.push(format!(
+            "ready disk={} vhost_user={}",
+            d.name,
+            path.display()
+        ));
+        disk.vhost_user = Some(Arc::new(export));
+    }
+    Ok(lines)
 }
 
 /// An iSCSI portal bound at start, and the disks (indices into the config) that are

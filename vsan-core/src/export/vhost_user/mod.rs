@@ -193,7 +193,7 @@ pub struct VhostUserExport {
     stop: Arc<AtomicBool>,
     current: Arc<Mutex<Option<vhost_user_backend::ShutdownHandle>>>,
     listen_fd: std::os::fd::RawFd,
-    thread: Option<JoinHandle<()>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
 }
 
 impl std::fmt::Debug for VhostUserExport {
@@ -272,7 +272,7 @@ impl VhostUserExport {
             stop,
             current,
             listen_fd,
-            thread: Some(thread),
+            thread: Mutex::new(Some(thread)),
         })
     }
 
@@ -312,13 +312,11 @@ impl VhostUserExport {
     }
 
     /// Stop serving: disconnect the front end once its requests in flight completed,
-    /// stop the workers and remove the socket. Blocks until done.
-    pub fn shutdown(mut self) {
-        self.stop_now();
-    }
-
-    fn stop_now(&mut self) {
-        let Some(thread) = self.thread.take() else {
+    /// stop the workers and remove the socket. Blocks until done (call it off the
+    /// runtime's threads: the requests in flight may need them to complete); later
+    /// calls return at once.
+    pub fn shutdown(&self) {
+        let Some(thread) = self.thread.lock().take() else {
             return;
         };
         self.stop.store(true, Ordering::SeqCst);
@@ -340,7 +338,7 @@ impl VhostUserExport {
 
 impl Drop for VhostUserExport {
     fn drop(&mut self) {
-        self.stop_now();
+        self.shutdown();
     }
 }
 

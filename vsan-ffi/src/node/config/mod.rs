@@ -299,6 +299,17 @@ pub struct DiskSection {
     pub iscsi_chap_target_secret: Option<Secret>,
     /// Mutual CHAP: the target's secret read from this file.
     pub iscsi_chap_target_secret_file: Option<PathBuf>,
+    /// vhost-user-blk socket path (Linux): a VM on this host (QEMU's
+    /// `vhost-user-blk-pci`, cloud-hypervisor, libblkio) reaches the disk through shared
+    /// memory there. See `vsan_core::export::vhost_user`.
+    pub vhost_user: Option<PathBuf>,
+    /// Queues the vhost-user-blk export offers (1 to 64, default 1), each served by its
+    /// own thread.
+    pub vhost_user_queues: Option<u16>,
+    /// How long (microseconds, up to 1,000,000) each vhost-user queue keeps polling
+    /// after its last request before it sleeps: lower latency for CPU. Default 0 (never
+    /// polls).
+    pub vhost_user_busy_poll_us: Option<u64>,
     /// Optional write-back cache.
     pub cache: Option<CacheSection>,
     /// Bytes per bit of the resync bitmap (a power of two, at least 4 KiB; default
@@ -582,7 +593,66 @@ impl Config {
                 }
             }
         }
-        self.check_iscsi()
+        self.check_iscsi()?;
+        self.check_vhost_user()
+    }
+
+    /// The vhost-user keys: the queue and busy-poll keys only with a socket, in range,
+    /// and no socket path used twice (by two disks, or by a disk's NBD socket).
+    fn check_vhost_user(&self) -> Result<(), ConfigError> {
+        let mut paths: Vec<(PathBuf, String)> = Vec::new();
+        for (i, d) in self.disk.iter().enumerate() {
+            if let Some(NbdAddr::Unix(p)) = d.nbd.as_deref().and_then(|a| NbdAddr::parse(a).ok()) {
+                paths.push((p, format!("disk[{i}].nbd")));
+            }
+        }
+        for (i, d) in self.disk.iter().enumerate() {
+            let key = |k: &str| format!("disk[{i}].{k}");
+            let Some(path) = &d.vhost_user else {
+                for (k, given) in [
+                    ("vhost_user_queues", d.vhost_user_queues.is_some()),
+                    (
+                        "vhost_user_busy_poll_us",
+                        d.vhost_user_busy_poll_us.is_some(),
+                    ),
+                ] {
+                    if given {
+                        return Err(err(
+                            key(k),
+                            "only with `vhost_user` (the disk's socket path); the disk has none",
+                        ));
+                    }
+                }
+                continue;
+            };
+            if cfg!(not(target_os = "linux")) {
+                return Err(err(key("vhost_user"), "vhost-user needs Linux"));
+            }
+            if path.as_os_str().is_empty() {
+                return Err(err(key("vhost_user"), "is empty"));
+            }
+            if let Some(q) = d.vhost_user_queues
+                && !(1..=64).contains(&q)
+            {
+                return Err(err(key("vhost_user_queues"), format!("{q} is not 1 to 64")));
+            }
+            if let Some(us) = d.vhost_user_busy_poll_us
+                && us > 1_000_000
+            {
+                return Err(err(
+                    key("vhost_user_busy_poll_us"),
+                    format!("{us} is over 1000000 (one second)"),
+                ));
+            }
+            if let Some((_, other)) = paths.iter().find(|(p, _)| p == path) {
+                return Err(err(
+                    key("vhost_user"),
+                    format!("{} is also {other}", path.display()),
+                ));
+            }
+            paths.push((path.clone(), key("vhost_user")));
+        }
+        Ok(())
     }
 
     /// `disk[i].cache`: its settings, a block size the cache can serve, and a path that

@@ -140,3 +140,42 @@ fn errors_name_the_key() {
     let e = Config::parse(&GOOD.replace("127.0.0.1:10809", "nowhere")).unwrap_err();
     assert_eq!(e.key, "disk[0].nbd", "{e}");
 }
+
+#[test]
+fn vhost_user_keys_and_their_refusals() {
+    let c = Config::parse(&format!(
+        "{GOOD}vhost_user = \"/run/vsan/vol0.vhost\"\nvhost_user_queues = 4\n\
+         vhost_user_busy_poll_us = 50\n"
+    ))
+    .unwrap();
+    let d = &c.disk[0];
+    assert_eq!(
+        d.vhost_user.as_deref(),
+        Some(Path::new("/run/vsan/vol0.vhost"))
+    );
+    assert_eq!(
+        (d.vhost_user_queues, d.vhost_user_busy_poll_us),
+        (Some(4), Some(50))
+    );
+    let refused = |extra: &str| Config::parse(&format!("{GOOD}{extra}")).unwrap_err();
+    let e = refused("vhost_user_queues = 2\n");
+    assert_eq!(e.key, "disk[0].vhost_user_queues", "{e}");
+    assert!(e.message.contains("only with `vhost_user`"), "{e}");
+    let e = refused("vhost_user = \"/s\"\nvhost_user_queues = 0\n");
+    assert_eq!(e.key, "disk[0].vhost_user_queues", "{e}");
+    let e = refused("vhost_user = \"/s\"\nvhost_user_queues = 65\n");
+    assert!(e.message.contains("not 1 to 64"), "{e}");
+    let e = refused("vhost_user = \"/s\"\nvhost_user_busy_poll_us = 2000000\n");
+    assert_eq!(e.key, "disk[0].vhost_user_busy_poll_us", "{e}");
+    let e = refused("vhost_user = \"\"\n");
+    assert_eq!(e.key, "disk[0].vhost_user", "{e}");
+    let e = refused(
+        "vhost_user = \"/s\"\n\n[[disk]]\nname = \"vol1\"\nsize = \"1GiB\"\nvhost_user = \"/s\"\n",
+    );
+    assert_eq!(e.key, "disk[1].vhost_user", "{e}");
+    assert!(e.message.contains("is also disk[0].vhost_user"), "{e}");
+    let e = refused(
+        "\n[[disk]]\nname = \"vol1\"\nsize = \"1GiB\"\nnbd = \"unix:/s\"\nvhost_user = \"/s\"\n",
+    );
+    assert!(e.message.contains("is also disk[1].nbd"), "{e}");
+}

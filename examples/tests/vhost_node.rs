@@ -1,0 +1,209 @@
+//! `vsan-node` with a vhost-user-blk socket (`vhost_user` in a `[[disk]]`), driven by
+//! libblkio's own driver: the data reaches the NBD export and the mirror peer, status,
+//! `vsanctl status` and the metrics show the front end and its queues, and flushed writes
+//! survive `kill -9` of the peer and then of the serving node.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use crate::common::mirror::{
+    CONNECTED, Pair, Side, assert_replicas_identical, start_acceptor, start_dialer, start_pair,
+};
+use crate::common::vsanctl::{MGMT, mgmt_addr, vsanctl_ok};
+use crate::common::{Node, Sig, TestDir, image, node_section, read_file_range, toml_str};
+use vsan_core::export::nbd::Client;
+use vsan_examples::pattern::{BLOCK, expected_block};
+use vsan_examples::vhost_client::VhostClient;
+
+const MIB: u64 = 1 << 20;
+const EVENT_TIMEOUT: Duration = Duration::from_secs(30);
+
+fn socket(dir: &TestDir) -> PathBuf {
+    dir.socket("vol0.vhost")
+}
+
+fn connect(path: &Path, queues: i32) -> VhostClient {
+    let deadline = Instant::now() + EVENT_TIMEOUT;
+    loop {
+        match VhostClient::connect(path, queues, 4 << 20) {
+            Ok(c) => return c,
+            Err(e) if Instant::now() > deadline => panic!("connect to {}: {e}", path.display()),
+            Err(_) => std::thread::sleep(Duration::from_millis(50)),
+        }
+    }
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// Read `len` bytes at `offset` through the node's NBD export of vol0.
+fn nbd_read(node: &Node, offset: u64, len: usize) -> Vec<u8> {
+    rt().block_on(async {
+        let c = Client::connect_tcp(node.addr("vol0"), "vol0")
+            .await
+            .expect("nbd connect");
+        c.read(offset, len as u32).await.expect("nbd read").to_vec()
+    })
+}
+
+#[test]
+fn writes_through_vhost_user_read_back_through_nbd_and_show_in_status_and_metrics() {
+    let dir = TestDir::new("vhost-node");
+    let path = socket(&dir);
+    let config = format!(
+        "{}metrics = \"127.0.0.1:0\"\n{MGMT}\n[[disk]]\nname = \"vol0\"\nsize = \"64MiB\"\n\
+         nbd = \"127.0.0.1:0\"\nvhost_user = {}\nvhost_user_queues = 2\n",
+        node_section(&dir),
+        toml_str(&path)
+    );
+    let node = Node::start(&dir, &config, &["vol0"]);
+    let ready = node.wait_stdout(&["ready disk=vol0 vhost_user="], EVENT_TIMEOUT);
+    assert!(ready.ends_with(&path.display().to_string()), "{ready}");
+
+    let mut c = connect(&path, 2);
+    assert_eq!(c.capacity(), 64 * MIB);
+    for (i, len) in [4096usize, 65536, 1 << 20].into_iter().enumerate() {
+        let off = i as u64 * 2 * MIB;
+        let data = expected_block(i as u64, 1).repeat(len / BLOCK);
+        c.write(off, &data).unwrap();
+        c.flush().unwrap();
+        assert_eq!(c.read(off, len).unwrap(), data);
+        assert_eq!(
+            nbd_read(&node, off, len),
+            data,
+            "NBD sees the write of {len}"
+        );
+    }
+    // Many in flight on the second queue.
+    for d in 0..32usize {
+        let block = expected_block(100 + d as u64, 1);
+        c.buf()[d * BLOCK..(d + 1) * BLOCK].copy_from_slice(&block);
+        c.submit_write(1, 16 * MIB + (d * BLOCK) as u64, d * BLOCK, BLOCK, d);
+    }
+    let mut done = 0;
+    while done < 32 {
+        for (_, ret) in c.wait(1, 1).unwrap() {
+            assert_eq!(ret, 0);
+            done += 1;
+        }
+    }
+    let want: Vec<u8> = (0..32u64)
+        .flat_map(|d| expected_block(100 + d, 1))
+        .collect();
+    assert_eq!(nbd_read(&node, 16 * MIB, 32 * BLOCK), want);
+
+    let mgmt = mgmt_addr(&node);
+    let status = vsanctl_ok(&mgmt, &["status", "vol0"]).text();
+    assert!(status.contains("front end connected"), "{status}");
+    assert!(status.contains("queue 1:"), "{status}");
+    let json = vsanctl_ok(&mgmt, &["--json", "status", "vol0"]).text();
+    let v: serde_json::Value = serde_json::from_str(json.trim()).expect("json");
+    let vu = &v["vhost_user"];
+    assert_eq!(vu["connected"], true, "{v}");
+    assert_eq!(vu["queues"][1]["writes"], 32, "{v}");
+    assert_eq!(vu["queues"][0]["writes"], 3, "{v}");
+    let line = node.wait_stdout(&["ready metrics="], EVENT_TIMEOUT);
+    let addr = line.trim().trim_start_matches("ready metrics=");
+    let metrics = ureq::get(&format!("http://{addr}/metrics"))
+        .call()
+        .expect("GET /metrics")
+        .body_mut()
+        .read_to_string()
+        .expect("metrics body");
+    assert!(
+        metrics.contains("vsan_vhost_user_writes_total{disk=\"vol0\",queue=\"1\"} 32"),
+        "{metrics}"
+    );
+    assert!(metrics.contains("vsan_vhost_user_connected{disk=\"vol0\"} 1"));
+
+    // A front end that goes away and another that comes: served.
+    drop(c);
+    let mut c = connect(&path, 1);
+    assert_eq!(c.read(0, 4096).unwrap(), expected_block(0, 1));
+    drop(c);
+    let stopped = node.stop_clean(Sig::TERM);
+    assert!(!path.exists(), "the socket is removed at shutdown");
+    let img = image(&dir, "vol0");
+    assert_eq!(read_file_range(&img, 16 * MIB, 32 * BLOCK), want);
+    drop(stopped);
+}
+
+#[test]
+fn a_mirrored_disk_under_vhost_user_writes_keeps_every_flushed_write_through_kill_9_of_both() {
+    let d1 = TestDir::new("vhost-mirror-n1-sock");
+    let path = socket(&d1);
+    let disk_lines = format!("vhost_user = {}\n", toml_str(&path));
+    let s1 = Side::new(1, "vol0", "\"64MiB\"")
+        .timeout(1000)
+        .disk_lines(&disk_lines);
+    let s2 = Side::new(2, "vol0", "\"64MiB\"").timeout(1000);
+    let Pair {
+        dir1,
+        dir2,
+        n1,
+        n2,
+        listen,
+    } = start_pair("vhost-mirror", &s1, &s2);
+    n1.wait_log(CONNECTED, EVENT_TIMEOUT);
+    n2.wait_log(CONNECTED, EVENT_TIMEOUT);
+    n1.wait_stdout(&["sync disk=vol0 done"], EVENT_TIMEOUT);
+    let mut c = connect(&path, 1);
+
+    // Round 1, mirrored: generation 1 of blocks 0..64, flushed; the peer's NBD export
+    // reads them.
+    let write_round = |c: &mut VhostClient, generation: u32, blocks: std::ops::Range<u64>| {
+        for b in blocks {
+            c.write(b * BLOCK as u64, &expected_block(b, generation))
+                .unwrap_or_else(|e| panic!("write of block {b} gen {generation}: {e}"));
+        }
+        c.flush().expect("flush");
+    };
+    write_round(&mut c, 1, 0..64);
+    for b in [0u64, 31, 63] {
+        assert_eq!(
+            nbd_read(&n2, b * BLOCK as u64, BLOCK),
+            expected_block(b, 1),
+            "the peer reads block {b}"
+        );
+    }
+    // kill -9 of the peer; writes through vhost-user go on alone (after the peer
+    // timeout), flushed.
+    n2.stop(Sig::KILL);
+    write_round(&mut c, 2, 32..96);
+    // kill -9 of the serving node with the front end connected.
+    n1.stop(Sig::KILL);
+    drop(c);
+    // Restart both: the survivor's newer data resyncs to the peer.
+    let n2 = start_acceptor(&dir2, &s2, &listen);
+    let n1 = start_dialer(&dir1, &s1, &listen);
+    n1.wait_log(CONNECTED, EVENT_TIMEOUT);
+    n1.wait_stdout(&["sync disk=vol0 done"], EVENT_TIMEOUT);
+    n2.wait_stdout(&["sync disk=vol0 done"], EVENT_TIMEOUT);
+    let mut c = connect(&path, 1);
+    for b in 0..96u64 {
+        let want = expected_block(b, if b < 32 { 1 } else { 2 });
+        assert_eq!(
+            c.read(b * BLOCK as u64, BLOCK).unwrap(),
+            want,
+            "block {b} via vhost-user"
+        );
+    }
+    drop(c);
+    n1.stop_clean(Sig::TERM);
+    n2.stop_clean(Sig::TERM);
+    let (i1, i2) = (image(&dir1, "vol0"), image(&dir2, "vol0"));
+    for b in 0..96u64 {
+        let want = expected_block(b, if b < 32 { 1 } else { 2 });
+        assert_eq!(
+            read_file_range(&i2, b * BLOCK as u64, BLOCK),
+            want,
+            "node 2 block {b}"
+        );
+    }
+    assert_replicas_identical(&i1, &i2);
+    drop(d1);
+}
