@@ -306,7 +306,7 @@ fn non_empty_median(v: &[f64]) -> Option<f64> {
 }
 
 /// Fill `path` with `size` bytes of non-zero data so reads hit real extents.
-fn fill(path: &Path, size: u64) -> io::Result<()> {
+pub(crate) fn fill(path: &Path, size: u64) -> io::Result<()> {
     use std::io::Write;
     let mut f = std::fs::File::create(path)?;
     let mut buf = vec![0u8; 1 << 20];

@@ -9,6 +9,7 @@ pub mod pattern;
 pub mod resync_bench;
 pub mod tgtd;
 pub mod transport_bench;
+pub mod vhost_bench;
 pub mod vhost_client;
 
 /// The node configuration and the transports it builds, now in the library (`vsan::node`).

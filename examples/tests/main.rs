@@ -27,5 +27,6 @@ mod replication_garbage;
 mod resync_nodes;
 mod split_brain;
 mod transports;
+mod vhost_guest;
 mod vhost_node;
 mod witness;

@@ -58,6 +58,32 @@ struct NbdArgs {
     node_threads: Option<usize>,
 }
 
+/// Options of `vsan-bench vhost`.
+#[derive(clap::Args, Debug)]
+struct VhostArgs {
+    /// Seconds per run.
+    #[arg(long, default_value_t = 5.0)]
+    seconds: f64,
+    /// Rounds (each round runs every case once per workload, in rotating order).
+    #[arg(long, default_value_t = 3)]
+    rounds: u32,
+    /// Disk size in MiB.
+    #[arg(long, default_value_t = 256)]
+    size_mib: u64,
+    /// Queue depth of the deep runs.
+    #[arg(long, default_value_t = 32)]
+    depth: usize,
+    /// Work directory (default: target/vsan-bench).
+    #[arg(long)]
+    work_dir: Option<PathBuf>,
+    /// Path of vsan-node (default: next to this binary).
+    #[arg(long)]
+    vsan_node: Option<PathBuf>,
+    /// Only these cases (vsan, qsd, vsan-mem, qsd-null, vsan-poll, vsan-nbd).
+    #[arg(long)]
+    only: Vec<String>,
+}
+
 /// Options of `vsan-bench iscsi`.
 #[derive(clap::Args, Debug)]
 struct IscsiArgs {
@@ -145,6 +171,10 @@ enum Cmd {
     /// over iSCSI: vsan-node vs tgtd on the same kind of file, and vsan-node's NBD export
     /// of the same disk (fio nbd engine).
     Iscsi(IscsiArgs),
+    /// 4 KiB random read and write at QD1 and QD32 through libblkio's vhost-user-blk
+    /// driver: vsan-node's vhost-user export vs qemu-storage-daemon's (a file; RAM), and
+    /// vs vsan-node's NBD export of the same disk (fio nbd engine); busy-poll on and off.
+    Vhost(VhostArgs),
     /// QD1 4 KiB write latency: a local file, the same kind of file mirrored over TCP
     /// loopback, and a bare TCP ping-pong of the same sizes, in one run.
     Latency {
@@ -298,6 +328,16 @@ fn main() -> ExitCode {
         )
         .map_err(|e| -> BoxError { e.to_string().into() }),
         Cmd::Nbd(args) => nbd_bench(args),
+        Cmd::Vhost(a) => vsan_examples::vhost_bench::run(vsan_examples::vhost_bench::Opts {
+            seconds: a.seconds,
+            rounds: a.rounds,
+            size_mib: a.size_mib,
+            depth: a.depth,
+            dir: a.work_dir.unwrap_or_else(default_dir),
+            vsan_node: a.vsan_node.unwrap_or_else(|| exe_dir().join("vsan-node")),
+            only: a.only,
+        })
+        .map_err(|e| -> BoxError { e.to_string().into() }),
         Cmd::Iscsi(a) => iscsi_bench::run(iscsi_bench::Opts {
             seconds: a.seconds,
             write_count: a.write_count,

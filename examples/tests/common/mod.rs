@@ -10,6 +10,7 @@
 #![allow(dead_code)]
 
 pub mod fio;
+pub mod guest;
 pub mod in_process;
 pub mod iscsi;
 pub mod mirror;

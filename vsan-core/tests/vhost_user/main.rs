@@ -518,3 +518,25 @@ mod hostile_cases {
         assert_eq!(f.disk_bytes(0, 4096), vec![3; 4096]);
     }
 }
+
+/// With a busy-poll window the worker keeps polling between kicks; libblkio maps its
+/// buffers after the queues start, so a poll must use the memory map as it is now (it
+/// once kept the map of its first kick and refused every buffer).
+#[test]
+fn busy_polling_queues_serve_buffers_mapped_after_the_queues_started() {
+    let f = Fixture::new(
+        16 * MIB,
+        512,
+        VhostUserOptions {
+            busy_poll: Duration::from_millis(20),
+            ..opts(2)
+        },
+    );
+    for round in 0..3u64 {
+        let mut c = Client::connect(&f.path, 2, 1 << 20).unwrap();
+        let data = pattern(round, 64 << 10);
+        assert_eq!(c.write(round * MIB, &data), 0, "round {round}");
+        assert_eq!(c.read(round * MIB, data.len()).unwrap(), data);
+    }
+    assert_eq!(f.export().status().queues[0].bad_chains, 0);
+}

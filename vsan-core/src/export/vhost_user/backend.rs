@@ -173,7 +173,6 @@ impl ConnInner {
     /// busy-poll window, keep polling (notifications off) while work keeps coming.
     fn process(&self, q: &Queue, vring: &VringRwLock<Mem>) {
         let _rt = self.shared.runtime.enter();
-        let mem = self.mem.memory();
         let event_idx = self.event_idx.load(Ordering::Relaxed);
         let busy = self.options().busy_poll;
         let mut last_work = Instant::now();
@@ -185,6 +184,9 @@ impl ConnInner {
             if rearm {
                 let _ = vring.disable_notification();
             }
+            // The map as it is now: the front end may add regions at any time (a poll
+            // that kept an older map would refuse buffers in them).
+            let mem = self.mem.memory();
             let mut started = 0usize;
             loop {
                 let chain = vring

@@ -351,6 +351,9 @@ fn serve(
 ) {
     while !stop.load(Ordering::SeqCst) {
         if let Err(e) = serve_one(&shared, &mut listener, &stop, &current) {
+            if stop.load(Ordering::SeqCst) {
+                break;
+            }
             warn!(socket = %shared.path.display(), "vhost-user connection failed: {e}");
             std::thread::sleep(Duration::from_millis(100));
         }
