@@ -207,3 +207,67 @@ fn a_mirrored_disk_under_vhost_user_writes_keeps_every_flushed_write_through_kil
     assert_replicas_identical(&i1, &i2);
     drop(d1);
 }
+
+#[test]
+fn a_restarted_node_answers_nothing_over_vhost_user_until_its_replica_is_proven_current() {
+    let d1 = TestDir::new("vhost-fresh-n1-sock");
+    let path = socket(&d1);
+    let disk_lines = format!("vhost_user = {}\n", toml_str(&path));
+    // A peer timeout long enough for the peer to come back while the read waits.
+    let s1 = Side::new(1, "vol0", "\"32MiB\"")
+        .timeout(15_000)
+        .disk_lines(&disk_lines);
+    let s2 = Side::new(2, "vol0", "\"32MiB\"").timeout(15_000);
+    let Pair {
+        dir1,
+        dir2,
+        n1,
+        n2,
+        listen,
+    } = start_pair("vhost-fresh", &s1, &s2);
+    n1.wait_log(CONNECTED, EVENT_TIMEOUT);
+    n1.wait_stdout(&["sync disk=vol0 done"], EVENT_TIMEOUT);
+    let mut c = connect(&path, 1);
+    c.write(0, &expected_block(0, 1)).unwrap();
+    c.flush().unwrap();
+    drop(c);
+    // Node 1 dies; node 2 goes on alone and writes generation 2, then stops.
+    n1.stop(Sig::KILL);
+    rt().block_on(async {
+        let c = Client::connect_tcp(n2.addr("vol0"), "vol0")
+            .await
+            .expect("nbd");
+        c.write(0, &expected_block(0, 2), true)
+            .await
+            .expect("write alone");
+    });
+    n2.stop_clean(Sig::TERM);
+    // Node 1 restarts with a stale replica and no peer: a read through vhost-user waits
+    // (its replica holds generation 1, which must never be answered).
+    let n1 = start_dialer(&dir1, &s1, &listen);
+    n1.wait_stdout(&["unproven disk=vol0"], EVENT_TIMEOUT);
+    let reader_path = path.clone();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let reader = std::thread::spawn(move || {
+        let mut c = connect(&reader_path, 1);
+        let _ = tx.send(c.read(0, BLOCK));
+    });
+    assert!(
+        rx.recv_timeout(Duration::from_millis(1500)).is_err(),
+        "an unproven replica answered a vhost-user read"
+    );
+    // The peer returns: the handshake makes node 1 the resync target, and the waiting
+    // read is answered with the newest data.
+    let n2 = start_acceptor(&dir2, &s2, &listen);
+    let got = rx
+        .recv_timeout(EVENT_TIMEOUT)
+        .expect("the read was answered once the peer came back")
+        .expect("the read succeeded");
+    assert_eq!(got, expected_block(0, 2), "the read saw the newest data");
+    reader.join().unwrap();
+    n1.wait_stdout(&["sync disk=vol0 done"], EVENT_TIMEOUT);
+    n1.stop_clean(Sig::TERM);
+    n2.stop_clean(Sig::TERM);
+    assert_replicas_identical(&image(&dir1, "vol0"), &image(&dir2, "vol0"));
+    drop(d1);
+}
