@@ -740,6 +740,31 @@ fn fio_nbd(
             cmd.args(["--rw=write", &format!("--io_size={}", count * 4096)]);
         }
     }
+    let side = match w {
+        Workload::RandRead => "read",
+        Workload::Write => "write",
+    };
+    let f = run_fio_json(cmd, side)?;
+    Ok(Figures {
+        iops: f.iops,
+        p50_us: f.p50_us,
+        p99_us: f.p99_us,
+        commands: f.ios,
+    })
+}
+
+/// One direction of the first job of a fio run.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct FioSide {
+    pub iops: f64,
+    pub p50_us: Option<f64>,
+    pub p99_us: Option<f64>,
+    pub ios: f64,
+}
+
+/// Run `cmd` (fio with `--output-format=json`) and read `side` ("read" or "write") of
+/// its first job.
+pub(crate) fn run_fio_json(mut cmd: Command, side: &str) -> io::Result<FioSide> {
     let out = cmd.stdin(Stdio::null()).output()?;
     if !out.status.success() {
         return Err(io::Error::other(format!(
@@ -755,20 +780,16 @@ fn fio_nbd(
         .and_then(|i| text.get(i..))
         .ok_or_else(|| io::Error::other("fio printed no JSON"))?;
     let v: serde_json::Value = serde_json::from_str(json).map_err(io::Error::other)?;
-    let side = match w {
-        Workload::RandRead => "read",
-        Workload::Write => "write",
-    };
     let job = &v["jobs"][0][side];
     let iops = job["iops"]
         .as_f64()
         .ok_or_else(|| io::Error::other("no iops in fio's output"))?;
     let pct = &job["clat_ns"]["percentile"];
-    Ok(Figures {
+    Ok(FioSide {
         iops,
         p50_us: pct["50.000000"].as_f64().map(|v| v / 1000.0),
         p99_us: pct["99.000000"].as_f64().map(|v| v / 1000.0),
-        commands: job["total_ios"].as_f64().unwrap_or(f64::NAN),
+        ios: job["total_ios"].as_f64().unwrap_or(f64::NAN),
     })
 }
 

@@ -427,50 +427,30 @@ fn fio_nbd(
     seconds: f64,
     size: u64,
 ) -> io::Result<(f64, f64, f64, f64)> {
-    let out = Command::new("fio")
-        .args([
-            "--name=bench",
-            "--ioengine=nbd",
-            &format!("--uri={url}"),
-            "--bs=4k",
-            &format!("--iodepth={depth}"),
-            &format!("--size={size}"),
-            if rw == Rw::Read {
-                "--rw=randread"
-            } else {
-                "--rw=randwrite"
-            },
-            "--time_based",
-            &format!("--runtime={}", seconds.ceil() as u64),
-            "--norandommap",
-            "--randrepeat=0",
-            "--output-format=json",
-        ])
-        .stdin(Stdio::null())
-        .output()?;
-    if !out.status.success() {
-        return Err(io::Error::other(format!(
-            "fio failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        )));
-    }
-    let text = String::from_utf8_lossy(&out.stdout);
-    let json = text
-        .find('{')
-        .and_then(|i| text.get(i..))
-        .ok_or_else(|| io::Error::other("fio printed no JSON"))?;
-    let v: serde_json::Value = serde_json::from_str(json).map_err(io::Error::other)?;
-    let side = &v["jobs"][0][if rw == Rw::Read { "read" } else { "write" }];
-    let pct = |p: &str| {
-        side["clat_ns"]["percentile"][p]
-            .as_f64()
-            .unwrap_or(f64::NAN)
-            / 1000.0
-    };
+    let mut cmd = Command::new("fio");
+    cmd.args([
+        "--name=bench",
+        "--ioengine=nbd",
+        &format!("--uri={url}"),
+        "--bs=4k",
+        &format!("--iodepth={depth}"),
+        &format!("--size={size}"),
+        if rw == Rw::Read {
+            "--rw=randread"
+        } else {
+            "--rw=randwrite"
+        },
+        "--time_based",
+        &format!("--runtime={}", seconds.ceil() as u64),
+        "--norandommap",
+        "--randrepeat=0",
+        "--output-format=json",
+    ]);
+    let f = crate::iscsi_bench::run_fio_json(cmd, if rw == Rw::Read { "read" } else { "write" })?;
     Ok((
-        side["iops"].as_f64().unwrap_or(0.0),
-        pct("50.000000"),
-        pct("99.000000"),
-        side["total_ios"].as_f64().unwrap_or(0.0),
+        f.iops,
+        f.p50_us.unwrap_or(f64::NAN),
+        f.p99_us.unwrap_or(f64::NAN),
+        f.ios,
     ))
 }

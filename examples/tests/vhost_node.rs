@@ -132,25 +132,53 @@ fn writes_through_vhost_user_read_back_through_nbd_and_show_in_status_and_metric
     drop(stopped);
 }
 
+/// A mirrored pair of `size` with vhost-user on node 1 (its socket in a directory of its
+/// own), started and through its first sync.
+struct VhostPair {
+    _sock_dir: TestDir,
+    path: PathBuf,
+    s1: Side,
+    s2: Side,
+    pair: Pair,
+}
+
+fn vhost_pair(tag: &str, size: &'static str, timeout_ms: u64) -> VhostPair {
+    let sock_dir = TestDir::new(&format!("{tag}-sock"));
+    let path = socket(&sock_dir);
+    let disk_lines = format!("vhost_user = {}\n", toml_str(&path));
+    let s1 = Side::new(1, "vol0", size)
+        .timeout(timeout_ms)
+        .disk_lines(&disk_lines);
+    let s2 = Side::new(2, "vol0", size).timeout(timeout_ms);
+    let pair = start_pair(tag, &s1, &s2);
+    pair.n1.wait_log(CONNECTED, EVENT_TIMEOUT);
+    pair.n2.wait_log(CONNECTED, EVENT_TIMEOUT);
+    pair.n1.wait_stdout(&["sync disk=vol0 done"], EVENT_TIMEOUT);
+    VhostPair {
+        _sock_dir: sock_dir,
+        path,
+        s1,
+        s2,
+        pair,
+    }
+}
+
 #[test]
 fn a_mirrored_disk_under_vhost_user_writes_keeps_every_flushed_write_through_kill_9_of_both() {
-    let d1 = TestDir::new("vhost-mirror-n1-sock");
-    let path = socket(&d1);
-    let disk_lines = format!("vhost_user = {}\n", toml_str(&path));
-    let s1 = Side::new(1, "vol0", "\"64MiB\"")
-        .timeout(1000)
-        .disk_lines(&disk_lines);
-    let s2 = Side::new(2, "vol0", "\"64MiB\"").timeout(1000);
-    let Pair {
-        dir1,
-        dir2,
-        n1,
-        n2,
-        listen,
-    } = start_pair("vhost-mirror", &s1, &s2);
-    n1.wait_log(CONNECTED, EVENT_TIMEOUT);
-    n2.wait_log(CONNECTED, EVENT_TIMEOUT);
-    n1.wait_stdout(&["sync disk=vol0 done"], EVENT_TIMEOUT);
+    let VhostPair {
+        _sock_dir,
+        path,
+        s1,
+        s2,
+        pair:
+            Pair {
+                dir1,
+                dir2,
+                n1,
+                n2,
+                listen,
+            },
+    } = vhost_pair("vhost-mirror", "\"64MiB\"", 1000);
     let mut c = connect(&path, 1);
 
     // Round 1, mirrored: generation 1 of blocks 0..64, flushed; the peer's NBD export
@@ -205,28 +233,25 @@ fn a_mirrored_disk_under_vhost_user_writes_keeps_every_flushed_write_through_kil
         );
     }
     assert_replicas_identical(&i1, &i2);
-    drop(d1);
 }
 
 #[test]
 fn a_restarted_node_answers_nothing_over_vhost_user_until_its_replica_is_proven_current() {
-    let d1 = TestDir::new("vhost-fresh-n1-sock");
-    let path = socket(&d1);
-    let disk_lines = format!("vhost_user = {}\n", toml_str(&path));
     // A peer timeout long enough for the peer to come back while the read waits.
-    let s1 = Side::new(1, "vol0", "\"32MiB\"")
-        .timeout(15_000)
-        .disk_lines(&disk_lines);
-    let s2 = Side::new(2, "vol0", "\"32MiB\"").timeout(15_000);
-    let Pair {
-        dir1,
-        dir2,
-        n1,
-        n2,
-        listen,
-    } = start_pair("vhost-fresh", &s1, &s2);
-    n1.wait_log(CONNECTED, EVENT_TIMEOUT);
-    n1.wait_stdout(&["sync disk=vol0 done"], EVENT_TIMEOUT);
+    let VhostPair {
+        _sock_dir,
+        path,
+        s1,
+        s2,
+        pair:
+            Pair {
+                dir1,
+                dir2,
+                n1,
+                n2,
+                listen,
+            },
+    } = vhost_pair("vhost-fresh", "\"32MiB\"", 15_000);
     let mut c = connect(&path, 1);
     c.write(0, &expected_block(0, 1)).unwrap();
     c.flush().unwrap();
@@ -269,5 +294,4 @@ fn a_restarted_node_answers_nothing_over_vhost_user_until_its_replica_is_proven_
     n1.stop_clean(Sig::TERM);
     n2.stop_clean(Sig::TERM);
     assert_replicas_identical(&image(&dir1, "vol0"), &image(&dir2, "vol0"));
-    drop(d1);
 }

@@ -540,3 +540,19 @@ fn busy_polling_queues_serve_buffers_mapped_after_the_queues_started() {
     }
     assert_eq!(f.export().status().queues[0].bad_chains, 0);
 }
+
+/// A stop must not depend on the socket's path: an accept waiting for a front end is
+/// woken even when the path was removed (it once waited for ever).
+#[test]
+fn shutdown_returns_when_the_socket_path_is_gone() {
+    let mut f = Fixture::new(8 * MIB, 512, opts(1));
+    std::fs::remove_file(&f.path).unwrap();
+    let export = f.export.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        export.shutdown();
+        let _ = tx.send(());
+    });
+    rx.recv_timeout(Duration::from_secs(10))
+        .expect("shutdown returned");
+}

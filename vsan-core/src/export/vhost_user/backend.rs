@@ -24,7 +24,7 @@ use tracing::{debug, info, warn};
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost_user_backend::{VhostUserBackend, VringRwLock, VringT};
 use virtio_bindings::virtio_blk as blk;
-use virtio_queue::QueueT;
+use virtio_queue::{QueueOwnedT, QueueT};
 use vm_memory::{
     GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryLoadGuard, GuestMemoryMmap,
 };
@@ -184,9 +184,12 @@ impl ConnInner {
             if rearm {
                 let _ = vring.disable_notification();
             }
-            // The map as it is now: the front end may add regions at any time (a poll
-            // that kept an older map would refuse buffers in them).
-            let mem = self.mem.memory();
+            // The front end may add memory regions at any time (libblkio maps its
+            // buffers after the queues start) and offers a chain in them only after the
+            // backend acknowledged the region. So a chain is parsed with a map loaded
+            // after it was popped: if the map changed meanwhile, the pop is undone and
+            // redone with the new map.
+            let mut mem = self.mem.memory();
             let mut started = 0usize;
             loop {
                 let chain = vring
@@ -194,6 +197,12 @@ impl ConnInner {
                     .get_queue_mut()
                     .pop_descriptor_chain(mem.clone());
                 let Some(chain) = chain else { break };
+                let now = self.mem.memory();
+                if !Arc::ptr_eq(&now.clone().into_inner(), &mem.clone().into_inner()) {
+                    vring.get_mut().get_queue_mut().go_to_previous_position();
+                    mem = now;
+                    continue;
+                }
                 let parsed =
                     virtio::parse(chain, &mem, &self.shared.limits, self.options().read_only);
                 self.start(q, parsed, &mem, vring);
