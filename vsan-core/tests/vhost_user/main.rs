@@ -511,6 +511,10 @@ mod hostile_cases {
             let mut g = Guest::connect(&f.path, 16);
             g.submit_raw(0, 1000);
             assert_eq!(g.wait_used(Duration::from_millis(300)), None);
+            // Kicked again: still nothing, counted once.
+            g.submit_raw(0, 0);
+            assert_eq!(g.wait_used(Duration::from_millis(100)), None);
+            assert_eq!(f.export().status().queues[0].bad_chains, 1);
         }
         // The export serves the next front end.
         let mut c = Client::connect(&f.path, 1, 1 << 20).unwrap();

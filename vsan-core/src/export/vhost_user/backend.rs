@@ -72,6 +72,9 @@ struct Queue {
     in_flight: Mutex<usize>,
     idle: Condvar,
     bad_logged: AtomicU64,
+    /// The guest published an avail index more than a ring ahead: the queue is broken
+    /// until the front end resets it (a new connection), and ignored meanwhile.
+    broken: AtomicBool,
 }
 
 /// The backend of one front-end connection (the vhost-user-backend crate's handler and
@@ -107,6 +110,7 @@ impl Conn {
                 in_flight: Mutex::new(0),
                 idle: Condvar::new(),
                 bad_logged: AtomicU64::new(0),
+                broken: AtomicBool::new(false),
             });
         }
         Ok(Conn {
@@ -190,6 +194,9 @@ impl ConnInner {
             // after it was popped: if the map changed meanwhile, the pop is undone and
             // redone with the new map.
             let mut mem = self.mem.memory();
+            if self.ring_overrun(q, vring, &mem) {
+                return;
+            }
             let mut started = 0usize;
             loop {
                 let chain = vring
@@ -224,6 +231,42 @@ impl ConnInner {
                 _ => break,
             }
         }
+    }
+
+    /// Whether the queue is broken: its avail index runs more than a ring ahead of what
+    /// was taken (a hostile or corrupt guest). Marked once, logged once, counted as a
+    /// refused chain; the queue then serves nothing (other queues and disks go on).
+    fn ring_overrun(
+        &self,
+        q: &Queue,
+        vring: &VringRwLock<Mem>,
+        mem: &GuestMemoryLoadGuard<GuestMemoryMmap>,
+    ) -> bool {
+        if q.broken.load(Ordering::Relaxed) {
+            return true;
+        }
+        let state = vring.get_ref();
+        let queue = state.get_queue();
+        let Ok(avail) = queue.avail_idx(&**mem, Ordering::Acquire) else {
+            return false;
+        };
+        let pending = avail.0.wrapping_sub(queue.next_avail());
+        if pending <= queue.size() {
+            return false;
+        }
+        drop(state);
+        q.broken.store(true, Ordering::Relaxed);
+        self.shared.stats.queues[usize::from(q.index)]
+            .bad_chains
+            .fetch_add(1, Ordering::Relaxed);
+        warn!(
+            socket = %self.shared.path.display(),
+            queue = q.index,
+            pending,
+            "vhost-user: the guest's avail index is more than a ring ahead; the queue is \
+             broken and serves nothing until the front end reconnects"
+        );
+        true
     }
 
     /// Start one parsed chain: a refused one completes at once (IOERR where it has a
