@@ -153,7 +153,8 @@ impl Drop for Running {
     }
 }
 
-fn have(tool: &str) -> bool {
+/// Whether `tool` can be started (it answers `--help`).
+pub(crate) fn have(tool: &str) -> bool {
     Command::new(tool)
         .arg("--help")
         .stdout(Stdio::null())

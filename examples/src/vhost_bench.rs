@@ -28,6 +28,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::iscsi_bench::have;
 use crate::median;
 use crate::tgtd::cpu_seconds;
 use crate::vhost_client::VhostClient;
@@ -116,14 +117,6 @@ impl Drop for Server {
         crate::terminate_children(std::slice::from_mut(&mut self.child));
         let _ = std::fs::remove_file(&self.socket);
     }
-}
-
-fn have(tool: &str) -> bool {
-    Command::new("sh")
-        .args(["-c", &format!("command -v {tool}")])
-        .stdout(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
 }
 
 /// Run the comparison and print the table.

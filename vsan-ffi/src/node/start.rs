@@ -601,6 +601,12 @@ fn serve_exports(
     Ok(served)
 }
 
+/// The disk's SCSI identity (VPD 0x80 serial, 0x83 designators), the same on both nodes
+/// of a mirrored disk; vhost-user's GET_ID answers its serial.
+fn disk_identity(d: &DiskSection) -> LuIdentity {
+    LuIdentity::from_disk_id(&DiskId::from_name(&d.name).to_string())
+}
+
 /// Start the vhost-user-blk export of every disk with a `vhost_user` socket; their
 /// `ready disk=<name> vhost_user=<path>` lines. The export serves the same device as
 /// NBD and iSCSI (the mirror, where the disk has a peer: a replica not yet proven
@@ -616,7 +622,7 @@ fn start_vhost_user(config: &Config, disks: &mut [NodeDisk]) -> Result<Vec<Strin
         };
         let options = VhostUserOptions {
             queues: d.vhost_user_queues.unwrap_or(1),
-            serial: LuIdentity::from_disk_id(&DiskId::from_name(&d.name).to_string()).serial,
+            serial: disk_identity(d).serial,
             busy_poll: Duration::from_micros(d.vhost_user_busy_poll_us.unwrap_or(0)),
             ..VhostUserOptions::default()
         };
@@ -691,7 +697,7 @@ fn logical_unit(
     let node = &config.node;
     let id = alua::relative_port(node.id, d.peer);
     let lu_config = LuConfig {
-        identity: LuIdentity::from_disk_id(&DiskId::from_name(&d.name).to_string()),
+        identity: disk_identity(d),
         port: TargetPort {
             name: format!("{iqn},t,0x{id:04x}"),
             relative_id: id,

@@ -205,7 +205,7 @@ impl ConnInner {
                     .pop_descriptor_chain(mem.clone());
                 let Some(chain) = chain else { break };
                 let now = self.mem.memory();
-                if !Arc::ptr_eq(&now.clone().into_inner(), &mem.clone().into_inner()) {
+                if !std::ptr::eq::<GuestMemoryMmap>(&*now, &*mem) {
                     vring.get_mut().get_queue_mut().go_to_previous_position();
                     mem = now;
                     continue;
@@ -298,7 +298,6 @@ impl ConnInner {
                 return;
             }
         };
-        let dev = self.shared.device.clone();
         let writeback = self.writeback.load(Ordering::Relaxed);
         let mem = mem.clone();
         let shared = self.shared.clone();
@@ -324,7 +323,8 @@ impl ConnInner {
                     IoFlags::FUA
                 };
                 Box::pin(async move {
-                    let ok = write_chunks(&*dev, offset, data, flags).await;
+                    let dev = &*shared.device;
+                    let ok = write_chunks(dev, offset, data, flags).await;
                     let s = &shared.stats.queues[qi];
                     s.writes.fetch_add(1, Ordering::Relaxed);
                     if ok {
@@ -340,7 +340,8 @@ impl ConnInner {
             } => {
                 let segs = segs.clone();
                 Box::pin(async move {
-                    let ok = match read_chunks(&*dev, offset, len).await {
+                    let dev = &*shared.device;
+                    let ok = match read_chunks(dev, offset, len).await {
                         Some(chunks) => write_chunks_to(&mem, &segs, &chunks),
                         None => false,
                     };
@@ -353,6 +354,7 @@ impl ConnInner {
                 })
             }
             Op::Flush => Box::pin(async move {
+                let dev = &*shared.device;
                 let ok = dev.flush().await.is_ok();
                 shared.stats.queues[qi]
                     .flushes
@@ -386,6 +388,7 @@ impl ConnInner {
                     IoFlags::FUA
                 };
                 Box::pin(async move {
+                    let dev = &*shared.device;
                     let mut ok = true;
                     for r in &ranges {
                         let res = if zeroes && !r.unmap {
