@@ -375,9 +375,10 @@ fn a_guest_on_a_vsan_node_sees_its_writes_and_the_node_serves_them_over_nbd() {
     let dir = TestDir::new("guest-vsan");
     let sock = dir.socket("vu.sock");
     let config = format!(
-        "{}[[disk]]\nname = \"vol0\"\nsize = {DISK_SIZE}\nnbd = \"127.0.0.1:0\"\n\
+        "{}{}\n[[disk]]\nname = \"vol0\"\nsize = {DISK_SIZE}\nnbd = \"127.0.0.1:0\"\n\
          vhost_user = {}\nvhost_user_queues = {QUEUES}\n",
         node_section(&dir),
+        common::vsanctl::MGMT,
         toml_str(&sock),
     );
     let node = common::Node::start(&dir, &config, &["vol0"]);
@@ -425,6 +426,21 @@ fn a_guest_on_a_vsan_node_sees_its_writes_and_the_node_serves_them_over_nbd() {
         .filter(|l| l.contains("vhost-user") && (l.contains("WARN") || l.contains("ERROR")))
         .collect();
     assert!(complaints.is_empty(), "the node complained:\n{log}");
+
+    // The two writers ran pinned to the two vCPUs, and Linux maps one queue per CPU:
+    // both queues carried writes (the node's own per-queue counters, as vsanctl shows
+    // them).
+    let mgmt = common::vsanctl::mgmt_addr(&node);
+    let json = common::vsanctl::vsanctl_ok(&mgmt, &["--json", "status", "vol0"]).text();
+    let v: serde_json::Value = serde_json::from_str(json.trim()).expect("vsanctl --json");
+    let queues = v["vhost_user"]["queues"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no vhost_user.queues in {v}"));
+    assert_eq!(queues.len(), usize::from(QUEUES), "{v}");
+    for (i, q) in queues.iter().enumerate() {
+        let writes = q["writes"].as_u64().unwrap_or(0);
+        assert!(writes > 0, "queue {i} carried no write: {v}");
+    }
 
     node.stop_clean(Sig::TERM);
     let on_disk = std::fs::read(image(&dir, "vol0")).expect("read the node's image");

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use crate::common::mirror::{
     CONNECTED, Pair, Side, assert_replicas_identical, start_acceptor, start_dialer, start_pair,
 };
-use crate::common::vsanctl::{MGMT, mgmt_addr, vsanctl_ok};
+use crate::common::vsanctl::{MGMT, code, mgmt_addr, vsanctl, vsanctl_ok};
 use crate::common::{Node, Sig, TestDir, image, node_section, read_file_range, toml_str};
 use vsan_core::export::nbd::Client;
 use vsan_examples::pattern::{BLOCK, expected_block};
@@ -130,6 +130,100 @@ fn writes_through_vhost_user_read_back_through_nbd_and_show_in_status_and_metric
     let img = image(&dir, "vol0");
     assert_eq!(read_file_range(&img, 16 * MIB, 32 * BLOCK), want);
     drop(stopped);
+}
+
+/// `vsanctl create --vhost-user`: a path that is a file (here the other disk's image),
+/// a socket another server answers on, or bad queue counts are refused with nothing
+/// made; the disk created serves its socket, shows in status, and `delete` removes the
+/// socket.
+#[test]
+fn a_disk_created_through_vsanctl_serves_vhost_user_and_delete_removes_its_socket() {
+    let dir = TestDir::new("vhost-create");
+    let path0 = socket(&dir);
+    let config = format!(
+        "{}{MGMT}\n[[disk]]\nname = \"vol0\"\nsize = \"4MiB\"\nvhost_user = {}\n",
+        node_section(&dir),
+        toml_str(&path0)
+    );
+    // (vol0 has no NBD address: the node's ready line for it is its socket's.)
+    let node = Node::start(&dir, &config, &[]);
+    node.wait_stdout(&["ready disk=vol0 vhost_user="], EVENT_TIMEOUT);
+    let mgmt = mgmt_addr(&node);
+    let img0 = image(&dir, "vol0");
+    let before = std::fs::read(&img0).unwrap();
+    let path1 = dir.socket("vol1.vhost");
+    let (img0_s, path0_s, path1_s) = (
+        img0.to_str().unwrap(),
+        path0.to_str().unwrap(),
+        path1.to_str().unwrap(),
+    );
+    let create = ["create", "vol1", "--size", "4MiB", "--backing", "mem"];
+    for (extra, exit, needle) in [
+        (vec!["--vhost-user", img0_s], 1, "not a socket"),
+        (vec!["--vhost-user", path0_s], 1, "another server listens"),
+        (
+            vec!["--vhost-user", path1_s, "--vhost-user-queues", "0"],
+            2,
+            "not in 1..=64",
+        ),
+        (
+            vec![
+                "--vhost-user",
+                path1_s,
+                "--vhost-user-busy-poll-us",
+                "5000000",
+            ],
+            1,
+            "over 1000000",
+        ),
+        (vec!["--vhost-user-queues", "2"], 2, "--vhost-user"),
+    ] {
+        let args: Vec<&str> = create.iter().copied().chain(extra).collect();
+        let out = vsanctl(&mgmt, &args);
+        assert_eq!(code(&out), exit, "{args:?}: {out}");
+        assert!(out.stderr.contains(needle), "{args:?}: {out}");
+    }
+    assert_eq!(
+        std::fs::read(&img0).unwrap(),
+        before,
+        "vol0's image untouched"
+    );
+    assert!(!path1.exists(), "nothing bound for a refused creation");
+    let list = vsanctl_ok(&mgmt, &["--json", "status"]).text();
+    assert!(!list.contains("vol1"), "no vol1 after the refusals: {list}");
+
+    let args: Vec<&str> = create
+        .iter()
+        .copied()
+        .chain(["--vhost-user", path1_s, "--vhost-user-queues", "2"])
+        .collect();
+    vsanctl_ok(&mgmt, &args);
+    let mut c = connect(&path1, 2);
+    assert_eq!(c.capacity(), 4 * MIB);
+    let data = expected_block(7, 1).repeat(16);
+    c.write(MIB, &data).unwrap();
+    c.flush().unwrap();
+    drop(c);
+    let mut c = connect(&path1, 2);
+    assert_eq!(c.read(MIB, data.len()).unwrap(), data);
+    drop(c);
+    let json = vsanctl_ok(&mgmt, &["--json", "status", "vol1"]).text();
+    let v: serde_json::Value = serde_json::from_str(json.trim()).expect("json");
+    assert_eq!(v["vhost_user"]["socket"], path1_s, "{v}");
+    assert_eq!(
+        v["vhost_user"]["queues"].as_array().map(Vec::len),
+        Some(2),
+        "{v}"
+    );
+    assert!(
+        v["vhost_user"]["queues"][0]["writes"].as_u64() > Some(0),
+        "{v}"
+    );
+
+    vsanctl_ok(&mgmt, &["delete", "vol1"]);
+    assert!(!path1.exists(), "delete removes the socket");
+    assert!(path0.exists(), "vol0's socket stays");
+    node.stop_clean(Sig::TERM);
 }
 
 /// A mirrored pair of `size` with vhost-user on node 1 (its socket in a directory of its

@@ -13,6 +13,7 @@
 //!   set-rate DISK RATE       resync rate: "40MiB" (per second) or "dynamic"
 //!   cache-mode DISK MODE     write-back | write-through | write-around | pass-through
 //!   create DISK --size SIZE [--backing file|mem] [--peer ID] [--nbd ADDR]
+//!          [--vhost-user PATH [--vhost-user-queues N] [--vhost-user-busy-poll-us US]]
 //!   delete DISK [--force] [--remove-files]
 //!   detach DISK / attach DISK   the local replica (I/O goes through the peer meanwhile)
 //!   declare-current DISK     serve this node's unproven replica alone (a risk: only when
@@ -167,6 +168,16 @@ enum Command {
         /// NBD address to export it on ("127.0.0.1:0", "unix:/path")
         #[arg(long, value_name = "ADDR")]
         nbd: Option<String>,
+        /// vhost-user-blk socket to export it on, for a VM on the node's host (Linux)
+        #[arg(long, value_name = "PATH")]
+        vhost_user: Option<String>,
+        /// Its virtqueues (1 to 64; default 1)
+        #[arg(long, value_name = "N", requires = "vhost_user",
+              value_parser = clap::value_parser!(u32).range(1..=64))]
+        vhost_user_queues: Option<u32>,
+        /// Its busy-poll window per queue in microseconds (default: none)
+        #[arg(long, value_name = "US", requires = "vhost_user")]
+        vhost_user_busy_poll_us: Option<u64>,
     },
     /// Delete a disk (refused while NBD clients are connected, unless --force)
     Delete {
@@ -506,6 +517,9 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             backing,
             peer,
             nbd,
+            vhost_user,
+            vhost_user_queues,
+            vhost_user_busy_poll_us,
         } => {
             let r = v1::CreateDiskRequest {
                 name: disk.clone(),
@@ -517,6 +531,9 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                 .into(),
                 peer: peer.unwrap_or(0),
                 nbd: nbd.clone().unwrap_or_default(),
+                vhost_user: vhost_user.clone().unwrap_or_default(),
+                vhost_user_queues: vhost_user_queues.unwrap_or(0),
+                vhost_user_busy_poll_us: vhost_user_busy_poll_us.unwrap_or(0),
             };
             let s = call(client.create_disk(r)).await?;
             print_disk(json, &s);

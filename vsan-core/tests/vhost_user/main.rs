@@ -560,3 +560,41 @@ fn shutdown_returns_when_the_socket_path_is_gone() {
     rx.recv_timeout(Duration::from_secs(10))
         .expect("shutdown returned");
 }
+
+/// The socket path: a stale socket is replaced; a file that is not a socket, or a
+/// socket another server listens on, is refused and left as it was (a path that named
+/// a disk image by mistake must not cost the image).
+#[test]
+fn only_a_stale_socket_is_replaced_at_the_path() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let disk =
+        || -> Arc<dyn BlockDevice> { Arc::new(MemDevice::new(Geometry::new(MIB, 512).unwrap())) };
+    let start =
+        |path: &std::path::Path| VhostUserExport::start(path, disk(), opts(1), rt.handle().clone());
+
+    let image = dir.path().join("image.img");
+    std::fs::write(&image, b"precious data").unwrap();
+    let e = start(&image).unwrap_err();
+    assert_eq!(e.kind(), vsan_core::ErrorKind::InUse, "{e}");
+    assert!(e.to_string().contains("not a socket"), "{e}");
+    assert_eq!(std::fs::read(&image).unwrap(), b"precious data");
+
+    let live = dir.path().join("live.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&live).unwrap();
+    let e = start(&live).unwrap_err();
+    assert!(e.to_string().contains("another server listens"), "{e}");
+    assert!(live.exists());
+    drop(listener);
+
+    // The listener is gone: its socket file is stale now and is replaced.
+    let export = start(&live).unwrap();
+    let c = Client::connect(&live, 1, 1 << 20).unwrap();
+    drop(c);
+    export.shutdown();
+    assert!(!live.exists());
+}

@@ -671,8 +671,23 @@ fn disk_section(req: &v1::CreateDiskRequest) -> Result<DiskSection, Status> {
             .map_err(|e| Status::invalid_argument(format!("nbd: {}", e.context())))?;
         table.insert("nbd".into(), req.nbd.clone().into());
     }
+    if !req.vhost_user.is_empty() {
+        table.insert("vhost_user".into(), req.vhost_user.clone().into());
+    }
+    if req.vhost_user_queues != 0 {
+        table.insert(
+            "vhost_user_queues".into(),
+            i64::from(req.vhost_user_queues).into(),
+        );
+    }
+    if req.vhost_user_busy_poll_us != 0 {
+        let us = i64::try_from(req.vhost_user_busy_poll_us).unwrap_or(i64::MAX);
+        table.insert("vhost_user_busy_poll_us".into(), us.into());
+    }
     let d = DiskSection::deserialize(toml::Value::Table(table))
         .map_err(|e| Status::invalid_argument(e.to_string()))?;
+    d.check_vhost_user()
+        .map_err(|(key, why)| Status::invalid_argument(format!("{key}: {why}")))?;
     let bs = u64::from(d.block_size());
     if d.size.0 == 0 || d.size.0 % bs != 0 {
         return Err(Status::invalid_argument(format!(
@@ -729,6 +744,21 @@ async fn create(shared: &Shared, d: &DiskSection) -> Result<NodeDisk, Status> {
             Some((addr, l))
         }
     };
+    // A vhost-user socket path that is taken (another disk's socket, any file that is
+    // not a stale socket) refuses the creation before any file is made, too.
+    #[cfg(target_os = "linux")]
+    if let Some(path) = &d.vhost_user {
+        if let Some((_, a)) = &nbd
+            && matches!(a, super::start::Listener::Unix(_, p) if p == path)
+        {
+            return Err(Status::invalid_argument(format!(
+                "vhost_user: {} is also the disk's NBD socket",
+                path.display()
+            )));
+        }
+        vsan_core::export::vhost_user::check_socket_path(path)
+            .map_err(|e| Status::failed_precondition(e.context()))?;
+    }
     if d.peer.is_some() && d.backing == Backing::File {
         let meta = node.data_dir.join(format!("{}.meta", d.name));
         if meta.exists() && !d.image_path(&node.data_dir).exists() {
@@ -796,6 +826,20 @@ async fn create(shared: &Shared, d: &DiskSection) -> Result<NodeDisk, Status> {
         vhost_user: None,
         cache: None,
     };
+    #[cfg(target_os = "linux")]
+    if let Some(path) = &d.vhost_user {
+        match super::start::vhost_user_export(d, path, Arc::clone(&device)) {
+            Ok(e) => nd.vhost_user = Some(Arc::new(e)),
+            Err(e) => {
+                // (Raced by another server since the check above.)
+                created.abort();
+                if let Some(reg) = &shared.accepting {
+                    reg.write().remove(&d.name);
+                }
+                return Err(Status::failed_precondition(e.context()));
+            }
+        }
+    }
     if let Some((addr, listener)) = nbd {
         let server = Server::new(vec![
             Export::new(&d.name, device).with_description(format!("vsan disk {}", d.name)),

@@ -614,25 +614,14 @@ fn disk_identity(d: &DiskSection) -> LuIdentity {
 /// 0x80), the same on both nodes.
 #[cfg(target_os = "linux")]
 fn start_vhost_user(config: &Config, disks: &mut [NodeDisk]) -> Result<Vec<String>, StartError> {
-    use vsan_core::export::vhost_user::{VhostUserExport, VhostUserOptions};
     let mut lines = Vec::new();
     for (i, d) in config.disk.iter().enumerate() {
         let (Some(path), Some(disk)) = (&d.vhost_user, disks.get_mut(i)) else {
             continue;
         };
-        let options = VhostUserOptions {
-            queues: d.vhost_user_queues.unwrap_or(1),
-            serial: disk_identity(d).serial,
-            busy_poll: Duration::from_micros(d.vhost_user_busy_poll_us.unwrap_or(0)),
-            ..VhostUserOptions::default()
-        };
-        let export = VhostUserExport::start(
-            path,
-            Arc::clone(&disk.device),
-            options,
-            tokio::runtime::Handle::current(),
-        )
-        .map_err(|e| StartError::Runtime(format!("key `disk[{i}].vhost_user`: {}", e.context())))?;
+        let export = vhost_user_export(d, path, Arc::clone(&disk.device)).map_err(|e| {
+            StartError::Runtime(format!("key `disk[{i}].vhost_user`: {}", e.context()))
+        })?;
         lines.push(format!(
             "ready disk={} vhost_user={}",
             d.name,
@@ -641,6 +630,25 @@ fn start_vhost_user(config: &Config, disks: &mut [NodeDisk]) -> Result<Vec<Strin
         disk.vhost_user = Some(Arc::new(export));
     }
     Ok(lines)
+}
+
+/// Serve `device` (disk `d`'s, as its clients enter it) on the vhost-user socket `path`
+/// with `d`'s queue and busy-poll settings and its LU serial; at start and for a disk
+/// created through the management service.
+#[cfg(target_os = "linux")]
+pub(super) fn vhost_user_export(
+    d: &DiskSection,
+    path: &Path,
+    device: Arc<dyn BlockDevice>,
+) -> vsan_core::Result<vsan_core::export::vhost_user::VhostUserExport> {
+    use vsan_core::export::vhost_user::{VhostUserExport, VhostUserOptions};
+    let options = VhostUserOptions {
+        queues: d.vhost_user_queues.unwrap_or(1),
+        serial: disk_identity(d).serial,
+        busy_poll: Duration::from_micros(d.vhost_user_busy_poll_us.unwrap_or(0)),
+        ..VhostUserOptions::default()
+    };
+    VhostUserExport::start(path, device, options, tokio::runtime::Handle::current())
 }
 
 /// An iSCSI portal bound at start, and the disks (indices into the config) that are

@@ -205,12 +205,54 @@ impl std::fmt::Debug for VhostUserExport {
     }
 }
 
+/// Whether [`VhostUserExport::start`] could bind `path`: nothing there, or a stale
+/// socket (one nobody answers on). A file that is not a socket (a disk image given by
+/// mistake, say) is never replaced, nor a socket another server still listens on.
+///
+/// Errors: `InUse` naming which of the two it is.
+pub fn check_socket_path(path: &Path) -> Result<()> {
+    use std::os::unix::fs::FileTypeExt;
+    let Ok(meta) = std::fs::symlink_metadata(path) else {
+        return Ok(());
+    };
+    if !meta.file_type().is_socket() {
+        return Err(taken(path, "the path exists and is not a socket"));
+    }
+    if std::os::unix::net::UnixStream::connect(path).is_ok() {
+        return Err(taken(path, "another server listens there"));
+    }
+    Ok(())
+}
+
+fn taken(path: &Path, why: impl std::fmt::Display) -> Error {
+    Error::new(
+        ErrorKind::InUse,
+        format!("cannot bind vhost-user socket {}: {why}", path.display()),
+    )
+}
+
+/// Make `path` free for a new socket ([`check_socket_path`], then the stale socket
+/// removed).
+fn claim_socket_path(path: &Path) -> Result<()> {
+    check_socket_path(path)?;
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(taken(
+            path,
+            format_args!("cannot remove the stale socket: {e}"),
+        )),
+        _ => Ok(()),
+    }
+}
+
 impl VhostUserExport {
-    /// Bind `path` (replacing a stale socket there) and serve `device` on it. Requests
-    /// run on `runtime` (the device's futures may need its timers and sockets).
+    /// Bind `path` and serve `device` on it. Requests run on `runtime` (the device's
+    /// futures may need its timers and sockets). Only a stale socket at `path` (one
+    /// nobody answers on) is replaced: any other file there is refused and left as it
+    /// is, and so is a socket another server still listens on.
     ///
     /// Errors: `InvalidArgument` for bad options or a device whose block size virtio
-    /// cannot express; `Io` when the socket cannot be bound.
+    /// cannot express; `InUse` when the path is taken; `Io` when the socket cannot be
+    /// bound.
     pub fn start(
         path: impl AsRef<Path>,
         device: Arc<dyn BlockDevice>,
@@ -226,7 +268,8 @@ impl VhostUserExport {
                 "vhost-user needs a block size of at least 512 bytes",
             ));
         }
-        let listener = Listener::new(&path, true).map_err(|e| {
+        claim_socket_path(&path)?;
+        let listener = Listener::new(&path, false).map_err(|e| {
             Error::new(
                 ErrorKind::Io,
                 format!("cannot bind vhost-user socket {}: {e}", path.display()),

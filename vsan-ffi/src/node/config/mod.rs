@@ -325,6 +325,48 @@ pub struct DiskSection {
 }
 
 impl DiskSection {
+    /// This disk's own vhost-user keys (what needs no other disk to check): the queue
+    /// and busy-poll keys only with a socket, and in range. `Err((key, why))`.
+    pub(crate) fn check_vhost_user(&self) -> Result<(), (&'static str, String)> {
+        let Some(path) = &self.vhost_user else {
+            for (k, given) in [
+                ("vhost_user_queues", self.vhost_user_queues.is_some()),
+                (
+                    "vhost_user_busy_poll_us",
+                    self.vhost_user_busy_poll_us.is_some(),
+                ),
+            ] {
+                if given {
+                    return Err((
+                        k,
+                        "only with `vhost_user` (the disk's socket path); the disk has none".into(),
+                    ));
+                }
+            }
+            return Ok(());
+        };
+        if cfg!(not(target_os = "linux")) {
+            return Err(("vhost_user", "vhost-user needs Linux".into()));
+        }
+        if path.as_os_str().is_empty() {
+            return Err(("vhost_user", "is empty".into()));
+        }
+        if let Some(q) = self.vhost_user_queues
+            && !(1..=64).contains(&q)
+        {
+            return Err(("vhost_user_queues", format!("{q} is not 1 to 64")));
+        }
+        if let Some(us) = self.vhost_user_busy_poll_us
+            && us > 1_000_000
+        {
+            return Err((
+                "vhost_user_busy_poll_us",
+                format!("{us} is over 1000000 (one second)"),
+            ));
+        }
+        Ok(())
+    }
+
     /// The resync rate (`resync_rate`; dynamic when not given).
     pub fn rate(&self) -> Rate {
         self.resync_rate.unwrap_or(Rate::Dynamic)
@@ -608,42 +650,8 @@ impl Config {
         }
         for (i, d) in self.disk.iter().enumerate() {
             let key = |k: &str| format!("disk[{i}].{k}");
-            let Some(path) = &d.vhost_user else {
-                for (k, given) in [
-                    ("vhost_user_queues", d.vhost_user_queues.is_some()),
-                    (
-                        "vhost_user_busy_poll_us",
-                        d.vhost_user_busy_poll_us.is_some(),
-                    ),
-                ] {
-                    if given {
-                        return Err(err(
-                            key(k),
-                            "only with `vhost_user` (the disk's socket path); the disk has none",
-                        ));
-                    }
-                }
-                continue;
-            };
-            if cfg!(not(target_os = "linux")) {
-                return Err(err(key("vhost_user"), "vhost-user needs Linux"));
-            }
-            if path.as_os_str().is_empty() {
-                return Err(err(key("vhost_user"), "is empty"));
-            }
-            if let Some(q) = d.vhost_user_queues
-                && !(1..=64).contains(&q)
-            {
-                return Err(err(key("vhost_user_queues"), format!("{q} is not 1 to 64")));
-            }
-            if let Some(us) = d.vhost_user_busy_poll_us
-                && us > 1_000_000
-            {
-                return Err(err(
-                    key("vhost_user_busy_poll_us"),
-                    format!("{us} is over 1000000 (one second)"),
-                ));
-            }
+            d.check_vhost_user().map_err(|(k, m)| err(key(k), m))?;
+            let Some(path) = &d.vhost_user else { continue };
             if let Some((_, other)) = paths.iter().find(|(p, _)| p == path) {
                 return Err(err(
                     key("vhost_user"),
