@@ -6,8 +6,11 @@
 //! each exporting the same kind of file (a filled one for reads, a fresh sparse one for
 //! writes), alternating the servers within
 //! each round so drift on a noisy machine hits all of them alike. It prints IOPS, p50/p99
-//! completion latency, and each server's ratio to nbdkit. A server whose program is not
-//! installed is reported as missing, not silently dropped.
+//! completion latency, the CPU time (user + system, from `/proc/<pid>/stat`) of every
+//! server process per completed I/O (both nodes summed for a mirror), and each server's
+//! ratio to nbdkit. With `--mirror` it measures a mirrored pair beside a single
+//! `vsan-node` and nbdkit. A server whose program is not installed is reported as
+//! missing, not silently dropped.
 
 use std::io::Write;
 use std::os::unix::fs::MetadataExt;
@@ -49,7 +52,8 @@ struct NbdArgs {
     #[arg(long)]
     vsan_node: Option<PathBuf>,
     /// Measure a mirrored disk (two vsan-node processes on this machine, node 1
-    /// exporting) against nbdkit on one plain file, instead of the three servers.
+    /// exporting) beside a single vsan-node and nbdkit on one plain file, instead of
+    /// the three servers.
     #[arg(long)]
     mirror: bool,
     /// `node.threads` for each vsan-node (default: the node's own default, one
@@ -288,6 +292,8 @@ struct Sample {
     iops: Vec<f64>,
     p50_us: Vec<f64>,
     p99_us: Vec<f64>,
+    /// Server CPU microseconds per completed I/O.
+    cpu_us: Vec<f64>,
 }
 
 fn main() -> ExitCode {
@@ -459,6 +465,17 @@ struct Running {
     children: Vec<Child>,
 }
 
+impl Running {
+    /// CPU seconds (user + system) the server's processes have used so far.
+    fn cpu(&self) -> Result<f64, BoxError> {
+        let mut sum = 0.0;
+        for c in &self.children {
+            sum += vsan_examples::tgtd::cpu_seconds(c.id())?;
+        }
+        Ok(sum)
+    }
+}
+
 impl Drop for Running {
     fn drop(&mut self) {
         vsan_examples::terminate_children(&mut self.children);
@@ -623,14 +640,26 @@ fn start(
     Ok((Running { children }, sock))
 }
 
+/// What one fio run measured: IOPS, p50 and p99 completion latency (us), and the
+/// server's CPU microseconds per I/O over fio's measured window.
+struct FioRun {
+    iops: f64,
+    p50: f64,
+    p99: f64,
+    cpu_us: f64,
+}
+
+const RAMP_SECONDS: u64 = 2;
+
 fn fio(
     sock: &Path,
     rw: &str,
     seconds: u32,
     iodepth: u32,
     size: u64,
-) -> Result<(f64, f64, f64), BoxError> {
-    let out = Command::new("fio")
+    server: &Running,
+) -> Result<FioRun, BoxError> {
+    let child = Command::new("fio")
         .args([
             "--name=bench",
             "--ioengine=nbd",
@@ -641,12 +670,21 @@ fn fio(
             &format!("--size={size}"),
             "--time_based",
             &format!("--runtime={seconds}"),
-            "--ramp_time=2",
+            &format!("--ramp_time={RAMP_SECONDS}"),
             "--norandommap",
             "--randrepeat=0",
             "--output-format=json",
         ])
-        .output()?;
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    // fio counts the I/Os after its ramp; the server's CPU is read over the same window
+    // (fio's start-up is well under the ramp, and it exits at the end of its runtime).
+    std::thread::sleep(Duration::from_secs(RAMP_SECONDS));
+    let cpu0 = server.cpu()?;
+    let out = child.wait_with_output()?;
+    let cpu = server.cpu()? - cpu0;
     if !out.status.success() {
         return Err(format!("fio failed: {}", String::from_utf8_lossy(&out.stderr)).into());
     }
@@ -657,10 +695,16 @@ fn fio(
     let side = if rw.contains("read") { "read" } else { "write" };
     let job = &v["jobs"][0][side];
     let iops = job["iops"].as_f64().ok_or("no iops in fio output")?;
+    let ios = job["total_ios"]
+        .as_f64()
+        .ok_or("no total_ios in fio output")?;
     let pct = &job["clat_ns"]["percentile"];
-    let p50 = pct["50.000000"].as_f64().unwrap_or(f64::NAN) / 1000.0;
-    let p99 = pct["99.000000"].as_f64().unwrap_or(f64::NAN) / 1000.0;
-    Ok((iops, p50, p99))
+    Ok(FioRun {
+        iops,
+        p50: pct["50.000000"].as_f64().unwrap_or(f64::NAN) / 1000.0,
+        p99: pct["99.000000"].as_f64().unwrap_or(f64::NAN) / 1000.0,
+        cpu_us: if ios > 0.0 { cpu / ios * 1e6 } else { f64::NAN },
+    })
 }
 
 fn nbd_bench(args: NbdArgs) -> Result<(), BoxError> {
@@ -682,7 +726,7 @@ fn nbd_bench(args: NbdArgs) -> Result<(), BoxError> {
     let vsan_node = vsan_node.unwrap_or_else(|| exe_dir().join("vsan-node"));
     let (mut kinds, others) = if mirror {
         (
-            vec![ServerKind::VsanMirror],
+            vec![ServerKind::VsanMirror, ServerKind::Vsan],
             vec![(ServerKind::Nbdkit, "nbdkit")],
         )
     } else {
@@ -735,22 +779,24 @@ fn nbd_bench(args: NbdArgs) -> Result<(), BoxError> {
                     &write_image
                 };
                 let (server, sock) = start(k, &dir, image, size, &vsan_node, node_threads)?;
-                let (iops, p50, p99) = fio(&sock, w, seconds, iodepth, size)?;
+                let r = fio(&sock, w, seconds, iodepth, size, &server)?;
                 drop(server);
                 println!(
-                    "round {} {:<10} {:<12} {:>10.0} IOPS  p50 {:>7.1} us  p99 {:>7.1} us",
+                    "round {} {:<10} {:<18} {:>10.0} IOPS  p50 {:>7.1} us  p99 {:>7.1} us  CPU {:>5.1} us/IO",
                     round + 1,
                     w,
                     k.name(),
-                    iops,
-                    p50,
-                    p99
+                    r.iops,
+                    r.p50,
+                    r.p99,
+                    r.cpu_us
                 );
                 if let Some((_, _, s)) = results.iter_mut().find(|(kk, ww, _)| *kk == k && *ww == w)
                 {
-                    s.iops.push(iops);
-                    s.p50_us.push(p50);
-                    s.p99_us.push(p99);
+                    s.iops.push(r.iops);
+                    s.p50_us.push(r.p50);
+                    s.p99_us.push(r.p99);
+                    s.cpu_us.push(r.cpu_us);
                 }
             }
         }
@@ -760,22 +806,32 @@ fn nbd_bench(args: NbdArgs) -> Result<(), BoxError> {
     println!(
         "fio nbd engine, 4 KiB, iodepth {iodepth}, {seconds} s per run, {rounds} round(s), Unix socket, {size_mib} MiB file (medians):"
     );
-    println!("| workload | server | IOPS | p50 (us) | p99 (us) | vs nbdkit |");
-    println!("|---|---|---:|---:|---:|---:|");
+    println!(
+        "| workload | server | IOPS | p50 (us) | p99 (us) | CPU us/IO | IOPS vs nbdkit | CPU vs nbdkit | CPU vs vsan-node |"
+    );
+    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|");
+    let ratio =
+        |x: f64, base: Option<f64>| base.map_or("n/a".to_string(), |b| format!("{:.2}x", x / b));
     for w in workloads {
-        let base = results
-            .iter()
-            .find(|(k, ww, _)| *k == ServerKind::Nbdkit && *ww == w)
-            .map(|(_, _, s)| median(&s.iops));
+        let of = |kind: ServerKind| {
+            results
+                .iter()
+                .find(|(k, ww, _)| *k == kind && *ww == w)
+                .map(|(_, _, s)| s)
+        };
+        let base = of(ServerKind::Nbdkit);
+        let single = of(ServerKind::Vsan).map(|s| median(&s.cpu_us));
         for (k, _, s) in results.iter().filter(|(_, ww, _)| *ww == w) {
-            let iops = median(&s.iops);
-            let ratio = base.map_or("n/a".to_string(), |b| format!("{:.2}x", iops / b));
+            let (iops, cpu) = (median(&s.iops), median(&s.cpu_us));
             println!(
-                "| {w} | {} | {:.0} | {:.1} | {:.1} | {ratio} |",
+                "| {w} | {} | {:.0} | {:.1} | {:.1} | {cpu:.1} | {} | {} | {} |",
                 k.name(),
                 iops,
                 median(&s.p50_us),
-                median(&s.p99_us)
+                median(&s.p99_us),
+                ratio(iops, base.map(|b| median(&b.iops))),
+                ratio(cpu, base.map(|b| median(&b.cpu_us))),
+                ratio(cpu, single),
             );
         }
     }
