@@ -756,17 +756,25 @@ fn fio_nbd(
 
 /// One direction of the first job of a fio run.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct FioSide {
+pub struct FioSide {
+    /// I/Os per second.
     pub iops: f64,
+    /// Median completion latency (us).
     pub p50_us: Option<f64>,
+    /// 99th percentile completion latency (us).
     pub p99_us: Option<f64>,
+    /// I/Os counted (after the ramp, if any).
     pub ios: f64,
 }
 
 /// Run `cmd` (fio with `--output-format=json`) and read `side` ("read" or "write") of
 /// its first job.
 pub(crate) fn run_fio_json(mut cmd: Command, side: &str) -> io::Result<FioSide> {
-    let out = cmd.stdin(Stdio::null()).output()?;
+    parse_fio_output(&cmd.stdin(Stdio::null()).output()?, side)
+}
+
+/// `side` ("read" or "write") of the first job of a finished fio run's JSON output.
+pub fn parse_fio_output(out: &std::process::Output, side: &str) -> io::Result<FioSide> {
     if !out.status.success() {
         return Err(io::Error::other(format!(
             "fio failed ({}): {}",

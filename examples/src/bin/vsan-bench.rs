@@ -467,12 +467,11 @@ struct Running {
 
 impl Running {
     /// CPU seconds (user + system) the server's processes have used so far.
-    fn cpu(&self) -> Result<f64, BoxError> {
-        let mut sum = 0.0;
-        for c in &self.children {
-            sum += vsan_examples::tgtd::cpu_seconds(c.id())?;
-        }
-        Ok(sum)
+    fn cpu(&self) -> std::io::Result<f64> {
+        self.children
+            .iter()
+            .map(|c| vsan_examples::tgtd::cpu_seconds(c.id()))
+            .sum()
     }
 }
 
@@ -685,25 +684,17 @@ fn fio(
     let cpu0 = server.cpu()?;
     let out = child.wait_with_output()?;
     let cpu = server.cpu()? - cpu0;
-    if !out.status.success() {
-        return Err(format!("fio failed: {}", String::from_utf8_lossy(&out.stderr)).into());
-    }
-    let text = String::from_utf8_lossy(&out.stdout);
-    // fio may print notes before the JSON document.
-    let json = &text[text.find('{').ok_or("fio printed no JSON")?..];
-    let v: serde_json::Value = serde_json::from_str(json)?;
     let side = if rw.contains("read") { "read" } else { "write" };
-    let job = &v["jobs"][0][side];
-    let iops = job["iops"].as_f64().ok_or("no iops in fio output")?;
-    let ios = job["total_ios"]
-        .as_f64()
-        .ok_or("no total_ios in fio output")?;
-    let pct = &job["clat_ns"]["percentile"];
+    let f = iscsi_bench::parse_fio_output(&out, side)?;
     Ok(FioRun {
-        iops,
-        p50: pct["50.000000"].as_f64().unwrap_or(f64::NAN) / 1000.0,
-        p99: pct["99.000000"].as_f64().unwrap_or(f64::NAN) / 1000.0,
-        cpu_us: if ios > 0.0 { cpu / ios * 1e6 } else { f64::NAN },
+        iops: f.iops,
+        p50: f.p50_us.unwrap_or(f64::NAN),
+        p99: f.p99_us.unwrap_or(f64::NAN),
+        cpu_us: if f.ios > 0.0 {
+            cpu / f.ios * 1e6
+        } else {
+            f64::NAN
+        },
     })
 }
 

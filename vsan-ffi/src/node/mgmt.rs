@@ -748,16 +748,9 @@ async fn create(shared: &Shared, d: &DiskSection) -> Result<NodeDisk, Status> {
     // not a stale socket) refuses the creation before any file is made, too.
     #[cfg(target_os = "linux")]
     if let Some(path) = &d.vhost_user {
-        if let Some((_, a)) = &nbd
-            && matches!(a, super::start::Listener::Unix(_, p) if p == path)
-        {
-            return Err(Status::invalid_argument(format!(
-                "vhost_user: {} is also the disk's NBD socket",
-                path.display()
-            )));
-        }
-        vsan_core::export::vhost_user::check_socket_path(path)
-            .map_err(|e| Status::failed_precondition(e.context()))?;
+        vsan_core::export::check_socket_path(path).map_err(|e| {
+            Status::failed_precondition(format!("cannot bind vhost-user socket: {e}"))
+        })?;
     }
     if d.peer.is_some() && d.backing == Backing::File {
         let meta = node.data_dir.join(format!("{}.meta", d.name));

@@ -975,22 +975,9 @@ pub(super) async fn bind(addr: &NbdAddr) -> std::io::Result<Listener> {
     match addr {
         NbdAddr::Tcp(a) => Ok(Listener::Tcp(TcpListener::bind(a).await?)),
         NbdAddr::Unix(p) => {
-            if let Ok(meta) = std::fs::symlink_metadata(p) {
-                use std::os::unix::fs::FileTypeExt;
-                // Only a socket is ever replaced: any other file at the path (an image,
-                // say) is refused, never removed.
-                if !meta.file_type().is_socket() {
-                    return Err(std::io::Error::new(
-                        std::io::ErrorKind::AlreadyExists,
-                        format!("{} exists and is not a socket", p.display()),
-                    ));
-                }
-                // A socket someone still answers on is in use; a dead one is stale.
-                if tokio::net::UnixStream::connect(p).await.is_ok() {
-                    return Err(std::io::Error::from(std::io::ErrorKind::AddrInUse));
-                }
-                std::fs::remove_file(p)?;
-            }
+            // Only a stale socket is ever replaced: any other file at the path (an
+            // image, say) is refused, never removed, and a live socket is in use.
+            vsan_core::export::claim_socket_path(p)?;
             if let Some(parent) = p.parent() {
                 std::fs::create_dir_all(parent)?;
             }

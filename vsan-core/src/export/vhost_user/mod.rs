@@ -205,45 +205,6 @@ impl std::fmt::Debug for VhostUserExport {
     }
 }
 
-/// Whether [`VhostUserExport::start`] could bind `path`: nothing there, or a stale
-/// socket (one nobody answers on). A file that is not a socket (a disk image given by
-/// mistake, say) is never replaced, nor a socket another server still listens on.
-///
-/// Errors: `InUse` naming which of the two it is.
-pub fn check_socket_path(path: &Path) -> Result<()> {
-    use std::os::unix::fs::FileTypeExt;
-    let Ok(meta) = std::fs::symlink_metadata(path) else {
-        return Ok(());
-    };
-    if !meta.file_type().is_socket() {
-        return Err(taken(path, "the path exists and is not a socket"));
-    }
-    if std::os::unix::net::UnixStream::connect(path).is_ok() {
-        return Err(taken(path, "another server listens there"));
-    }
-    Ok(())
-}
-
-fn taken(path: &Path, why: impl std::fmt::Display) -> Error {
-    Error::new(
-        ErrorKind::InUse,
-        format!("cannot bind vhost-user socket {}: {why}", path.display()),
-    )
-}
-
-/// Make `path` free for a new socket ([`check_socket_path`], then the stale socket
-/// removed).
-fn claim_socket_path(path: &Path) -> Result<()> {
-    check_socket_path(path)?;
-    match std::fs::remove_file(path) {
-        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(taken(
-            path,
-            format_args!("cannot remove the stale socket: {e}"),
-        )),
-        _ => Ok(()),
-    }
-}
-
 impl VhostUserExport {
     /// Bind `path` and serve `device` on it. Requests run on `runtime` (the device's
     /// futures may need its timers and sockets). Only a stale socket at `path` (one
@@ -268,7 +229,16 @@ impl VhostUserExport {
                 "vhost-user needs a block size of at least 512 bytes",
             ));
         }
-        claim_socket_path(&path)?;
+        super::claim_socket_path(&path).map_err(|e| {
+            let kind = match e.kind() {
+                io::ErrorKind::AlreadyExists | io::ErrorKind::AddrInUse => ErrorKind::InUse,
+                _ => ErrorKind::Io,
+            };
+            Error::new(
+                kind,
+                format!("cannot bind vhost-user socket {}: {e}", path.display()),
+            )
+        })?;
         let listener = Listener::new(&path, false).map_err(|e| {
             Error::new(
                 ErrorKind::Io,
