@@ -43,6 +43,7 @@ pub mod export;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod le;
+pub mod plug;
 pub mod scsi;
 
 pub use device::{

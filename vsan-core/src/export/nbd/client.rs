@@ -82,87 +82,7 @@ impl Client {
 
     /// Negotiate on an already-connected stream.
     pub async fn handshake(mut s: Box<dyn Stream>, export: &str) -> Result<Client> {
-        let io = |what: &'static str| move |e| Error::io(what, e);
-        let magic = s.read_u64().await.map_err(io("read greeting"))?;
-        let opt_magic = s.read_u64().await.map_err(io("read greeting"))?;
-        let hflags = s.read_u16().await.map_err(io("read greeting"))?;
-        if magic != NBDMAGIC || opt_magic != IHAVEOPT || hflags & FLAG_FIXED_NEWSTYLE == 0 {
-            return Err(proto_err("server does not speak fixed newstyle NBD"));
-        }
-        let mut cflags = FLAG_C_FIXED_NEWSTYLE;
-        if hflags & FLAG_NO_ZEROES != 0 {
-            cflags |= FLAG_C_NO_ZEROES;
-        }
-        let mut b = BytesMut::new();
-        b.put_u32(cflags);
-        b.put_u64(IHAVEOPT);
-        b.put_u32(OPT_GO);
-        b.put_u32(4 + export.len() as u32 + 2 + 2);
-        b.put_u32(export.len() as u32);
-        b.put_slice(export.as_bytes());
-        b.put_u16(1);
-        b.put_u16(INFO_BLOCK_SIZE);
-        s.write_all(&b).await.map_err(io("send GO"))?;
-
-        let mut info = ExportInfo {
-            size: 0,
-            flags: 0,
-            min_block: 1,
-            preferred_block: 4096,
-            max_block: 32 << 20,
-        };
-        let mut have_export = false;
-        loop {
-            let magic = s.read_u64().await.map_err(io("read option reply"))?;
-            let _opt = s.read_u32().await.map_err(io("read option reply"))?;
-            let kind = s.read_u32().await.map_err(io("read option reply"))?;
-            let len = s.read_u32().await.map_err(io("read option reply"))?;
-            if magic != REPLY_MAGIC_OPT || len > 1 << 20 {
-                return Err(proto_err("bad option reply"));
-            }
-            let mut data = vec![0u8; len as usize];
-            s.read_exact(&mut data)
-                .await
-                .map_err(io("read option reply"))?;
-            match kind {
-                REP_ACK if have_export => break,
-                REP_INFO if data.len() >= 2 => {
-                    let be32 = |i: usize| {
-                        data.get(i..i + 4)
-                            .map(|b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]))
-                    };
-                    match u16::from_be_bytes([data[0], data[1]]) {
-                        INFO_EXPORT if data.len() == 12 => {
-                            let mut sz = [0u8; 8];
-                            sz.copy_from_slice(&data[2..10]);
-                            info.size = u64::from_be_bytes(sz);
-                            info.flags = u16::from_be_bytes([data[10], data[11]]);
-                            have_export = true;
-                        }
-                        INFO_BLOCK_SIZE if data.len() == 14 => {
-                            info.min_block = be32(2).unwrap_or(1);
-                            info.preferred_block = be32(6).unwrap_or(4096);
-                            info.max_block = be32(10).unwrap_or(32 << 20);
-                        }
-                        _ => {}
-                    }
-                }
-                k if k & (1 << 31) != 0 => {
-                    let msg = String::from_utf8_lossy(&data);
-                    let ek = if k == REP_ERR_UNKNOWN {
-                        ErrorKind::NotFound
-                    } else {
-                        ErrorKind::Protocol
-                    };
-                    return Err(Error::new(
-                        ek,
-                        format!("server refused export {export:?}: {msg}"),
-                    ));
-                }
-                _ => return Err(proto_err(format!("unexpected option reply {kind}"))),
-            }
-        }
-
+        let info = negotiate(&mut s, export).await?;
         let (rd, wr) = tokio::io::split(s);
         let shared = Arc::new(Shared {
             writer: tokio::sync::Mutex::new(wr),
@@ -210,16 +130,16 @@ impl Client {
             length,
         }
         .encode();
+        // Header and payload in one write: one syscall, and no half-request for the
+        // server to wait on.
+        let mut req = BytesMut::with_capacity(head.len() + payload.map_or(0, <[u8]>::len));
+        req.put_slice(&head);
+        if let Some(p) = payload {
+            req.put_slice(p);
+        }
         {
             let mut w = self.shared.writer.lock().await;
-            let sent = async {
-                w.write_all(&head).await?;
-                if let Some(p) = payload {
-                    w.write_all(p).await?;
-                }
-                Ok::<(), std::io::Error>(())
-            }
-            .await;
+            let sent = w.write_all(&req).await;
             if let Err(e) = sent {
                 if let Some(w) = self.shared.waiters.lock().as_mut() {
                     w.remove(&cookie);
@@ -280,13 +200,106 @@ impl Client {
     }
 }
 
+/// Negotiate (fixed newstyle, `NBD_OPT_GO` for `export`, "" for the server's default) on
+/// an already-connected stream, leaving it in the transmission phase: for clients that
+/// drive the transmission phase themselves (a load generator).
+pub async fn negotiate<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
+    s: &mut S,
+    export: &str,
+) -> Result<ExportInfo> {
+    let io = |what: &'static str| move |e| Error::io(what, e);
+    let magic = s.read_u64().await.map_err(io("read greeting"))?;
+    let opt_magic = s.read_u64().await.map_err(io("read greeting"))?;
+    let hflags = s.read_u16().await.map_err(io("read greeting"))?;
+    if magic != NBDMAGIC || opt_magic != IHAVEOPT || hflags & FLAG_FIXED_NEWSTYLE == 0 {
+        return Err(proto_err("server does not speak fixed newstyle NBD"));
+    }
+    let mut cflags = FLAG_C_FIXED_NEWSTYLE;
+    if hflags & FLAG_NO_ZEROES != 0 {
+        cflags |= FLAG_C_NO_ZEROES;
+    }
+    let mut b = BytesMut::new();
+    b.put_u32(cflags);
+    b.put_u64(IHAVEOPT);
+    b.put_u32(OPT_GO);
+    b.put_u32(4 + export.len() as u32 + 2 + 2);
+    b.put_u32(export.len() as u32);
+    b.put_slice(export.as_bytes());
+    b.put_u16(1);
+    b.put_u16(INFO_BLOCK_SIZE);
+    s.write_all(&b).await.map_err(io("send GO"))?;
+
+    let mut info = ExportInfo {
+        size: 0,
+        flags: 0,
+        min_block: 1,
+        preferred_block: 4096,
+        max_block: 32 << 20,
+    };
+    let mut have_export = false;
+    loop {
+        let magic = s.read_u64().await.map_err(io("read option reply"))?;
+        let _opt = s.read_u32().await.map_err(io("read option reply"))?;
+        let kind = s.read_u32().await.map_err(io("read option reply"))?;
+        let len = s.read_u32().await.map_err(io("read option reply"))?;
+        if magic != REPLY_MAGIC_OPT || len > 1 << 20 {
+            return Err(proto_err("bad option reply"));
+        }
+        let mut data = vec![0u8; len as usize];
+        s.read_exact(&mut data)
+            .await
+            .map_err(io("read option reply"))?;
+        match kind {
+            REP_ACK if have_export => break,
+            REP_INFO if data.len() >= 2 => {
+                let be32 = |i: usize| {
+                    data.get(i..i + 4)
+                        .map(|b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]))
+                };
+                match u16::from_be_bytes([data[0], data[1]]) {
+                    INFO_EXPORT if data.len() == 12 => {
+                        let mut sz = [0u8; 8];
+                        sz.copy_from_slice(&data[2..10]);
+                        info.size = u64::from_be_bytes(sz);
+                        info.flags = u16::from_be_bytes([data[10], data[11]]);
+                        have_export = true;
+                    }
+                    INFO_BLOCK_SIZE if data.len() == 14 => {
+                        info.min_block = be32(2).unwrap_or(1);
+                        info.preferred_block = be32(6).unwrap_or(4096);
+                        info.max_block = be32(10).unwrap_or(32 << 20);
+                    }
+                    _ => {}
+                }
+            }
+            k if k & (1 << 31) != 0 => {
+                let msg = String::from_utf8_lossy(&data);
+                let ek = if k == REP_ERR_UNKNOWN {
+                    ErrorKind::NotFound
+                } else {
+                    ErrorKind::Protocol
+                };
+                return Err(Error::new(
+                    ek,
+                    format!("server refused export {export:?}: {msg}"),
+                ));
+            }
+            _ => return Err(proto_err(format!("unexpected option reply {kind}"))),
+        }
+    }
+
+    Ok(info)
+}
+
 impl Drop for Client {
     fn drop(&mut self) {
         self.reader.abort();
     }
 }
 
-async fn read_replies(mut rd: ReadHalf<Box<dyn Stream>>, shared: Arc<Shared>) {
+async fn read_replies(rd: ReadHalf<Box<dyn Stream>>, shared: Arc<Shared>) {
+    // Buffered: the replies of many requests in flight come in with one read.
+    let mut rd = tokio::io::BufReader::with_capacity(256 << 10, rd);
     let err = loop {
         let mut head = [0u8; SIMPLE_REPLY_LEN];
         if let Err(e) = rd.read_exact(&mut head).await {

@@ -39,5 +39,5 @@ mod handshake;
 pub mod proto;
 mod server;
 
-pub use client::{Client, ExportInfo};
+pub use client::{Client, ExportInfo, negotiate};
 pub use server::{Export, Server, Stream};

@@ -6,7 +6,9 @@
 //! slice of it, no copy), each one is started on the device at once and polled once
 //! inline — page-cache I/O completes there and then, so most requests never touch the
 //! in-flight set — and replies are batched into one buffer and written with as few
-//! syscalls as the socket allows. Replies go out in completion order (NBD allows it), so
+//! syscalls as the socket allows: once per pass over the receive buffer, not once per
+//! request. The requests of one pass are started under a [`Plug`](crate::plug::Plug),
+//! so a device that batches sees them together. Replies go out in completion order (NBD allows it), so
 //! a slow flush never holds back reads.
 
 use std::future::{Future, poll_fn};
@@ -420,9 +422,46 @@ impl<'a> Connection<'a> {
         Ok(())
     }
 
+    /// One pass after another until nothing moves: start every complete request the
+    /// receive buffer holds (under one [`Plug`](crate::plug::Plug), so a device that
+    /// batches — a mirror — carries them out together, with one send for all), collect
+    /// what completed, write all the replies with as few syscalls as the socket takes,
+    /// then read more. Replies are written once per pass, not once per request: a
+    /// client that keeps many requests in flight gets them in batches.
     fn poll_io<S: Stream>(&mut self, cx: &mut Context<'_>, stream: &mut S) -> Poll<Result<()>> {
         loop {
             let mut progress = false;
+
+            let mut need_more = false;
+            // A request that cannot be parsed ends the connection, once the replies to
+            // the requests before it went out (as far as the socket takes them now).
+            let mut broken = None;
+            if self.reading {
+                let _plug = crate::plug::Plug::new();
+                // (DISC stops reading: nothing after it is started.)
+                while self.reading
+                    && self.in_flight.len() < MAX_IN_FLIGHT
+                    && self.out.len() < OUT_HIGH_WATER
+                {
+                    match self.parse() {
+                        Ok(Parsed::Request(req, payload)) => {
+                            self.start(req, payload, cx);
+                            progress = true;
+                        }
+                        Ok(Parsed::NeedMore(total)) => {
+                            let want = total.saturating_sub(self.inbuf.len()).max(READ_CHUNK);
+                            self.inbuf.reserve(want);
+                            need_more = true;
+                            break;
+                        }
+                        Err(e) => {
+                            broken = Some(e);
+                            break;
+                        }
+                    }
+                }
+                // The unplug here carries out what the batch deferred.
+            }
 
             while let Poll::Ready(Some(done)) = self.in_flight.poll_next_unpin(cx) {
                 self.encode(done);
@@ -442,42 +481,25 @@ impl<'a> Connection<'a> {
                     Poll::Pending => break,
                 }
             }
+            if let Some(e) = broken {
+                return Poll::Ready(Err(e));
+            }
 
-            if self.reading
-                && self.in_flight.len() < MAX_IN_FLIGHT
-                && self.out.len() < OUT_HIGH_WATER
-            {
-                match self.parse()? {
-                    Parsed::Request(req, payload) => {
-                        self.start(req, payload, cx);
-                        continue;
-                    }
-                    Parsed::NeedMore(total) => {
-                        let want = total.saturating_sub(self.inbuf.len()).max(READ_CHUNK);
-                        self.inbuf.reserve(want);
-                        match tokio_util::io::poll_read_buf(
-                            Pin::new(&mut *stream),
-                            cx,
-                            &mut self.inbuf,
-                        ) {
-                            Poll::Ready(Ok(0)) => {
-                                if !self.inbuf.is_empty() {
-                                    debug!(
-                                        bytes = self.inbuf.len(),
-                                        "client went away mid-request"
-                                    );
-                                }
-                                self.reading = false;
-                                progress = true;
-                            }
-                            Poll::Ready(Ok(_)) => progress = true,
-                            Poll::Ready(Err(e)) => {
-                                // Reset by the client: nothing more can be delivered.
-                                return Poll::Ready(Err(Error::io("receive request", e)));
-                            }
-                            Poll::Pending => {}
+            if self.reading && need_more {
+                match tokio_util::io::poll_read_buf(Pin::new(&mut *stream), cx, &mut self.inbuf) {
+                    Poll::Ready(Ok(0)) => {
+                        if !self.inbuf.is_empty() {
+                            debug!(bytes = self.inbuf.len(), "client went away mid-request");
                         }
+                        self.reading = false;
+                        progress = true;
                     }
+                    Poll::Ready(Ok(_)) => progress = true,
+                    Poll::Ready(Err(e)) => {
+                        // Reset by the client: nothing more can be delivered.
+                        return Poll::Ready(Err(Error::io("receive request", e)));
+                    }
+                    Poll::Pending => {}
                 }
             }
 
