@@ -1,17 +1,53 @@
-//! The driver: the tokio task that owns a mirror's [`Endpoint`] and is the only place
-//! that awaits. It feeds the endpoint caller requests, peer messages, local I/O
-//! completions and timer expiries, and carries out what the endpoint asks.
+//! The driver: what carries out a mirror [`Endpoint`]'s wishes, and the tokio task that
+//! waits on its behalf.
+//!
+//! ```text
+//!   caller (read / write / flush)          driver task (links, timers, commands)
+//!        │ lock Core, submit, turn               │ waits: peer messages, timer, commands,
+//!        │ (or queue under a Plug,               │ local I/O or a send that did not finish
+//!        │  turned once at the unplug)           │ at once, a kick
+//!        ▼                                       ▼
+//!   Core (behind one mutex): Endpoint ── turn ──▶ messages ─▶ LinkTx (written inline)
+//!                                        │    ──▶ local I/O ─▶ polled inline (page-cache
+//!                                        │                    I/O completes there)
+//!                                        └──▶ completions ─▶ Slots ─▶ the callers' wakers
+//! ```
+//!
+//! A request is carried out by the caller that submits it: it takes the [`Core`] lock,
+//! hands the request to the endpoint and runs a *turn* — the endpoint's messages go to
+//! the link (one write for all of them), its local I/O is started and polled once, and
+//! whatever completes feeds the endpoint again until nothing moves. A front door that
+//! starts several requests together holds a [`Plug`](vsan_core::plug::Plug): requests
+//! are then only queued, and one turn at the unplug carries them all out (one send
+//! for the lot). So a request costs no hand-off to another task and no channel; its
+//! caller waits in a [slot](super::slots).
+//!
+//! The driver task does what no caller can: it waits for the peer's messages, the
+//! endpoint's timer, operator commands and a new link, and for local I/O or a link send
+//! that did not complete at once (a turn polls those with a waker that *kicks* the task,
+//! so it polls them again with its own). Everything it does, it does in the same turns
+//! under the same lock; no lock is held across an `.await`.
+//!
+//! A local replica that loses acknowledged data (a write-back cache whose fast device
+//! failed) says so through [`BlockDevice::data_loss_count`], which it bumps before it
+//! completes anything that could show the loss. Every turn looks at the count first and
+//! before it hands the endpoint any local completion, and tells the endpoint first
+//! ([`Endpoint::local_data_lost`]): so no read of lost data reaches a caller.
 
 use std::collections::VecDeque;
+use std::future::poll_fn;
 use std::sync::Arc;
-use std::task::Poll;
+use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Instant, SystemTime};
 
+use futures_util::FutureExt;
 use futures_util::stream::{FuturesUnordered, StreamExt};
-use tokio::sync::{mpsc, oneshot, watch};
+use parking_lot::{Mutex, MutexGuard};
+use tokio::sync::{Notify, mpsc, oneshot, watch};
 use tracing::{info, warn};
 use vsan_core::{BlockDevice, Error, ErrorKind, IoFlags, Result};
 
+use super::slots::Slots;
 use super::status::{Observed, status_of};
 use super::witness_worker::WitnessRequest;
 use super::{Command, MirrorStatus, Operator, OperatorReply, Reply, SyncStart};
@@ -25,12 +61,224 @@ use crate::transport::{LinkRx, LinkTx};
 type LocalFuture =
     std::pin::Pin<Box<dyn std::future::Future<Output = (LocalOpId, LocalResult)> + Send>>;
 
-pub(super) struct Driver {
+/// A SCSI call of the peer's being handled: (link epoch, the peer's id, the answer).
+type ScsiRunning = std::pin::Pin<
+    Box<
+        dyn std::future::Future<Output = (u64, u64, std::result::Result<bytes::Bytes, ErrorKind>)>
+            + Send,
+    >,
+>;
+
+type SendFuture = std::pin::Pin<Box<dyn std::future::Future<Output = Result<()>> + Send>>;
+
+/// A caller's request, as it reaches the endpoint.
+#[derive(Debug)]
+pub(super) enum Io {
+    Write {
+        offset: u64,
+        payload: WritePayload,
+        fua: bool,
+    },
+    Read {
+        offset: u64,
+        len: u32,
+    },
+    Flush,
+}
+
+/// Wakes the driver task: a turn left local I/O or a send pending (polled with this
+/// waker, so its completion wakes the task), or moved the endpoint's next deadline
+/// earlier than the one the task sleeps until.
+#[derive(Debug, Default)]
+pub(super) struct Kick {
+    notify: Notify,
+}
+
+impl Wake for Kick {
+    fn wake(self: Arc<Self>) {
+        self.notify.notify_one();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.notify.notify_one();
+    }
+}
+
+/// What the [`MirroredDisk`](super::MirroredDisk) handles, their requests and the
+/// driver task share.
+pub(super) struct Shared {
+    pub(super) name: Arc<str>,
+    pub(super) core: Mutex<Core>,
+    /// The callers' requests in flight. Lock order: `core` before `slots`.
+    pub(super) slots: Mutex<Slots>,
+    pub(super) kick: Arc<Kick>,
+    /// `kick` as a waker, for the turns callers run.
+    kick_waker: Waker,
+    /// The runtime the mirror was started on: a turn a caller runs outside it (a
+    /// vhost-user queue thread, a C caller's thread) enters it, so links and devices
+    /// find their runtime.
+    runtime: tokio::runtime::Handle,
+}
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shared")
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Shared {
+    pub(super) fn new(name: Arc<str>, core: Core, runtime: tokio::runtime::Handle) -> Shared {
+        let kick = Arc::new(Kick::default());
+        Shared {
+            name,
+            core: Mutex::new(core),
+            slots: Mutex::new(Slots::default()),
+            kick_waker: Waker::from(Arc::clone(&kick)),
+            kick,
+            runtime,
+        }
+    }
+
+    /// Submit `io` and carry it out now (or, under a plug, at the unplug): the caller
+    /// waits in the returned request's slot, woken through `waker`. Fails with `Closed`
+    /// once the driver has stopped.
+    pub(super) fn submit(
+        self: &Arc<Self>,
+        io: Io,
+        waker: &Waker,
+    ) -> std::result::Result<RequestId, ErrorKind> {
+        let _runtime = self.runtime.try_current_or_enter();
+        let mut wake = Vec::new();
+        let req = {
+            let mut core = self.core.lock();
+            if core.stopped {
+                return Err(ErrorKind::Closed);
+            }
+            let now = Instant::now();
+            let req = match io {
+                Io::Write {
+                    offset,
+                    payload,
+                    fua,
+                } => core.ep.submit_write(now, offset, payload, fua),
+                Io::Read { offset, len } => core.ep.submit_read(now, offset, len),
+                Io::Flush => core.ep.submit_flush(now),
+            };
+            // Before the turn: the turn may complete it.
+            self.slots.lock().open(req, waker);
+            if vsan_core::plug::defer(self) {
+                return Ok(req);
+            }
+            drop(self.turn_inline(core, &mut wake));
+            req
+        };
+        wake.into_iter().for_each(Waker::wake);
+        Ok(req)
+    }
+
+    /// One turn: carry out everything the endpoint has queued (messages to the link,
+    /// local I/O started, events), feed back what completed at once, until nothing
+    /// moves; then publish progress and status. Local I/O a turn starts runs once with
+    /// the lock released (page-cache I/O completes right there, and nobody else waits
+    /// behind it); what does not complete joins `running`, polled with `cx`'s waker.
+    /// Completions wait in `completed` for [`Core::take_completions`].
+    fn turn<'a>(
+        &'a self,
+        mut core: MutexGuard<'a, Core>,
+        cx: &mut Context<'_>,
+    ) -> MutexGuard<'a, Core> {
+        loop {
+            core.check_data_loss();
+            let mut moved = core.drain(cx);
+            moved |= core.poll_running(cx).is_ready();
+            if core.fresh.is_empty() {
+                if !moved {
+                    break;
+                }
+                continue;
+            }
+            let mut fresh = std::mem::take(&mut core.fresh);
+            let mut finished = std::mem::take(&mut core.finished);
+            MutexGuard::unlocked(&mut core, || {
+                fresh.retain_mut(|f| match f.poll_unpin(cx) {
+                    Poll::Ready(done) => {
+                        finished.push(done);
+                        false
+                    }
+                    Poll::Pending => true,
+                });
+            });
+            core.running.extend(fresh.drain(..));
+            for (op, res) in finished.drain(..) {
+                core.local_done(op, res);
+            }
+            core.fresh = fresh;
+            core.finished = finished;
+        }
+        core.publish();
+        core
+    }
+
+    /// A turn run by a caller (a submit, an unplug): pending work is polled with the
+    /// kick waker, and the task is kicked when the endpoint's deadline moved earlier
+    /// than the one it sleeps until.
+    fn turn_inline<'a>(
+        &'a self,
+        core: MutexGuard<'a, Core>,
+        wake: &mut Vec<Waker>,
+    ) -> MutexGuard<'a, Core> {
+        let mut cx = Context::from_waker(&self.kick_waker);
+        let mut core = self.turn(core, &mut cx);
+        if let Some(at) = core.ep.poll_timeout()
+            && core.armed.is_none_or(|armed| at < armed)
+        {
+            core.armed = Some(at);
+            self.kick.notify.notify_one();
+        }
+        core.take_completions(&self.slots, wake);
+        core
+    }
+}
+
+impl vsan_core::plug::Unplug for Shared {
+    fn unplug(&self) {
+        let _runtime = self.runtime.try_current_or_enter();
+        let mut wake = Vec::new();
+        {
+            let core = self.core.lock();
+            if !core.stopped {
+                drop(self.turn_inline(core, &mut wake));
+            }
+        }
+        wake.into_iter().for_each(Waker::wake);
+    }
+}
+
+/// Enter a runtime only where the thread is in none.
+trait EnterIfOutside {
+    fn try_current_or_enter(&self) -> Option<tokio::runtime::EnterGuard<'_>>;
+}
+
+impl EnterIfOutside for tokio::runtime::Handle {
+    fn try_current_or_enter(&self) -> Option<tokio::runtime::EnterGuard<'_>> {
+        match tokio::runtime::Handle::try_current() {
+            Ok(_) => None,
+            Err(_) => Some(self.enter()),
+        }
+    }
+}
+
+/// The driver's state: the endpoint and everything that carries out its outputs.
+/// Behind [`Shared::core`]; a turn runs with the lock held, never across an `.await`.
+pub(super) struct Core {
     pub(super) name: Arc<str>,
     pub(super) ep: Endpoint,
     pub(super) local: Arc<dyn BlockDevice>,
     pub(super) meta: Arc<dyn BlockDevice>,
-    pub(super) status: watch::Sender<MirrorStatus>,
+    /// Where the status goes; dropped when the driver stops, so watchers see the end.
+    pub(super) status: Option<watch::Sender<MirrorStatus>>,
     pub(super) progress: Arc<parking_lot::Mutex<Option<SyncProgress>>>,
     /// Requests to the witness worker (none without a witness).
     pub(super) witness: Option<mpsc::UnboundedSender<WitnessRequest>>,
@@ -44,17 +292,30 @@ pub(super) struct Driver {
     pub(super) operator_replies: Vec<(OperatorReply, Result<String>)>,
     pub(super) last_progress_log: Instant,
     pub(super) last_sync_start: Option<SyncStart>,
+    /// Requests that came through the command channel (SCSI calls), answered there.
     pub(super) waiters: FastMap<RequestId, Reply>,
+    /// Answers to those of this turn, sent after the status is published.
+    pub(super) replies: Vec<(Reply, LocalResult)>,
+    /// Completions of this turn, for the slots (after the status is published).
+    pub(super) completed: Vec<(RequestId, LocalResult)>,
     pub(super) tx: Option<Arc<dyn LinkTx>>,
-    pub(super) rx: Option<Box<dyn LinkRx>>,
+    /// The receiving half of a link attached in this turn, for the task to take.
+    pub(super) new_rx: Option<Box<dyn LinkRx>>,
+    /// Counts link changes: a receiving half the task holds from an older count is
+    /// dropped, and what it received after the change is ignored.
+    pub(super) link_gen: u64,
     /// The attached link's transport, for status.
     pub(super) link_transport: Arc<str>,
     /// The send the link could not take at once (its queue is full); later messages
-    /// wait in `backlog`. The driver never blocks on the link: a peer that stops reading
-    /// must not stop local I/O or the peer timeout.
+    /// wait in `backlog`. Nobody blocks on the link: a peer that stops reading must not
+    /// stop local I/O or the peer timeout.
     pub(super) sending: Option<SendFuture>,
     pub(super) backlog: VecDeque<Message>,
     pub(super) running: FuturesUnordered<LocalFuture>,
+    /// Local I/O started in this turn, run (once) with the lock released.
+    pub(super) fresh: Vec<LocalFuture>,
+    /// What of `fresh` completed at once.
+    pub(super) finished: Vec<(LocalOpId, LocalResult)>,
     /// The SCSI handler (see [`super::MirroredDisk::set_scsi_handler`]).
     pub(super) scsi: super::ScsiSlot,
     /// The peer's SCSI calls being handled.
@@ -66,126 +327,158 @@ pub(super) struct Driver {
     pub(super) data_loss_seen: u64,
     /// When this disk started (an unproven replica is unproven since then).
     pub(super) started: SystemTime,
+    /// The deadline the driver task sleeps until (`None`: none).
+    pub(super) armed: Option<Instant>,
+    /// The driver task has ended: requests fail with `Closed`.
+    pub(super) stopped: bool,
+    /// The runtime the mirror was started on (a turn may run on a thread outside it).
+    pub(super) runtime: tokio::runtime::Handle,
     /// Where this driver's fail points fire (see [`crate::failpoints`]).
     #[cfg(feature = "failpoints")]
     pub(super) points: crate::failpoints::Site,
 }
-
-/// A SCSI call of the peer's being handled: (link epoch, the peer's id, the answer).
-type ScsiRunning = std::pin::Pin<
-    Box<
-        dyn std::future::Future<Output = (u64, u64, std::result::Result<bytes::Bytes, ErrorKind>)>
-            + Send,
-    >,
->;
-
-type SendFuture = std::pin::Pin<Box<dyn std::future::Future<Output = Result<()>> + Send>>;
 
 fn send_future(tx: &Arc<dyn LinkTx>, msgs: Vec<Message>) -> SendFuture {
     let tx = Arc::clone(tx);
     Box::pin(async move { tx.send_batch(msgs).await })
 }
 
-impl Driver {
-    pub(super) async fn run(
-        mut self,
-        mut commands: mpsc::UnboundedReceiver<Command>,
-        mut quorum: mpsc::UnboundedReceiver<bool>,
-    ) {
-        // Once every handle is gone, finish what is in flight, then stop.
-        let mut handles_gone = false;
-        loop {
-            self.check_data_loss();
-            self.drain().await;
-            if (handles_gone || !self.closing.is_empty())
-                && self.ep.is_shut_down()
-                && self.running.is_empty()
-            {
-                break;
+/// The driver task: waits for what only it can wait for, and runs a turn after each.
+pub(super) async fn run(
+    shared: Arc<Shared>,
+    mut commands: mpsc::UnboundedReceiver<Command>,
+    mut quorum: mpsc::UnboundedReceiver<bool>,
+) {
+    let _stopping = Stopping(Arc::clone(&shared));
+    // Once every handle is gone, finish what is in flight, then stop.
+    let mut handles_gone = false;
+    let mut rx: Option<(u64, Box<dyn LinkRx>)> = None;
+    let mut sleep: std::pin::Pin<Box<tokio::time::Sleep>> =
+        Box::pin(tokio::time::sleep_until(tokio::time::Instant::now()));
+    let mut sleeping_until: Option<Instant> = None;
+    let mut wake = Vec::new();
+    loop {
+        let finished = poll_fn(|cx| {
+            let mut core = shared.core.lock();
+            core.take_rx(&mut rx);
+            let mut core = shared.turn(core, cx);
+            core.take_completions(&shared.slots, &mut wake);
+            let finished = (handles_gone || !core.closing.is_empty())
+                && core.ep.is_shut_down()
+                && core.running.is_empty();
+            // Sleep until the endpoint's deadline, or an earlier one already armed
+            // (waking early only costs a look; moving the timer every turn would cost
+            // more).
+            let due = core.ep.poll_timeout();
+            let at = match (due, sleeping_until) {
+                (Some(d), Some(s)) if s <= d && s > Instant::now() => Some(s),
+                (d, _) => d,
+            };
+            core.armed = at;
+            drop(core);
+            wake.drain(..).for_each(Waker::wake);
+            if at != sleeping_until {
+                sleeping_until = at;
+                if let Some(at) = at {
+                    sleep.as_mut().reset(tokio::time::Instant::from_std(at));
+                }
             }
-            let deadline = self.ep.poll_timeout().map(tokio::time::Instant::from_std);
-            tokio::select! {
-                cmd = commands.recv(), if !handles_gone => match cmd {
-                    Some(cmd) => self.command(cmd),
+            Poll::Ready(finished)
+        })
+        .await;
+        if finished {
+            break;
+        }
+        tokio::select! {
+            cmd = commands.recv(), if !handles_gone => {
+                let mut core = shared.core.lock();
+                match cmd {
+                    Some(cmd) => core.command(cmd),
                     None => {
                         handles_gone = true;
-                        self.ep.begin_shutdown(Instant::now());
-                    }
-                },
-                Some(granted) = quorum.recv() => self.ep.handle_quorum(Instant::now(), granted),
-                msg = recv(&mut self.rx) => match msg {
-                    Ok(m) => self.peer_message(m),
-                    Err(e) => {
-                        let reason = e.to_string();
-                        self.drop_link();
-                        self.ep.handle_disconnected(Instant::now(), &reason);
-                    }
-                },
-                r = poll_sending(&mut self.sending), if self.sending.is_some() => {
-                    self.sending = None;
-                    self.sent(r);
-                }
-                Some((op, res)) = self.running.next(), if !self.running.is_empty() => {
-                    self.local_done(op, res);
-                }
-                Some((epoch, id, res)) = self.scsi_running.next(), if !self.scsi_running.is_empty() => {
-                    self.ep.reply_scsi(Instant::now(), epoch, id, res);
-                }
-                _ = sleep_until(deadline) => self.ep.handle_timeout(Instant::now()),
-            }
-            // Take everything else that is ready too, so one turn (and one batch of
-            // frames) serves many requests instead of one.
-            if !handles_gone {
-                while let Ok(cmd) = commands.try_recv() {
-                    self.command(cmd);
-                }
-            }
-            while self.rx.is_some() {
-                let ready = {
-                    let mut next = std::pin::pin!(recv(&mut self.rx));
-                    poll_once(&mut next).await
-                };
-                match ready {
-                    Poll::Pending => break,
-                    Poll::Ready(Ok(m)) => self.peer_message(m),
-                    Poll::Ready(Err(e)) => {
-                        let reason = e.to_string();
-                        self.drop_link();
-                        self.ep.handle_disconnected(Instant::now(), &reason);
+                        core.ep.begin_shutdown(Instant::now());
                     }
                 }
+            },
+            Some(granted) = quorum.recv() => {
+                shared.core.lock().ep.handle_quorum(Instant::now(), granted);
             }
-            while !self.running.is_empty() {
-                let ready = {
-                    let mut next = self.running.next();
-                    poll_once(&mut next).await
-                };
-                match ready {
-                    Poll::Ready(Some((op, res))) => self.local_done(op, res),
-                    _ => break,
+            (link, msg) = recv(&mut rx) => shared.core.lock().link_message(link, msg, &mut rx),
+            () = shared.kick.notify.notified() => {}
+            () = poll_fn(|cx| shared.core.lock().poll_running(cx)) => {}
+            () = &mut sleep, if sleeping_until.is_some() => {
+                sleeping_until = None;
+                let mut core = shared.core.lock();
+                let now = Instant::now();
+                if core.ep.poll_timeout().is_some_and(|d| d <= now) {
+                    core.ep.handle_timeout(now);
                 }
             }
         }
-        self.retire_link();
-        // Dropping the sender stops the witness worker once it is idle.
-        self.witness = None;
-        let failed = self.ep.meta_failed();
-        for done in self.closing.drain(..) {
-            let result = if failed {
-                Err(Error::new(
-                    ErrorKind::Io,
-                    format!(
-                        "disk {}: the metadata could not be written; it is not marked clean",
-                        self.name
-                    ),
-                ))
-            } else {
-                Ok(())
+        // Take everything else that is ready too, so one turn (and one batch of
+        // frames) serves many messages and commands instead of one.
+        if !handles_gone {
+            while let Ok(cmd) = commands.try_recv() {
+                shared.core.lock().command(cmd);
+            }
+        }
+        while rx.is_some() {
+            let ready = {
+                let mut next = std::pin::pin!(recv(&mut rx));
+                poll_once(&mut next).await
             };
-            let _ = done.send(result);
+            match ready {
+                Poll::Pending => break,
+                Poll::Ready((link, msg)) => shared.core.lock().link_message(link, msg, &mut rx),
+            }
         }
     }
+    let mut core = shared.core.lock();
+    core.retire_link();
+    let failed = core.ep.meta_failed();
+    let name = Arc::clone(&core.name);
+    for done in core.closing.drain(..) {
+        let result = if failed {
+            Err(Error::new(
+                ErrorKind::Io,
+                format!("disk {name}: the metadata could not be written; it is not marked clean"),
+            ))
+        } else {
+            Ok(())
+        };
+        let _ = done.send(result);
+    }
+    drop(core);
+    // `_stopping` does the rest as it drops.
+}
 
+/// Stops the mirror when the driver task ends, and also when its future is dropped
+/// without ending (its runtime shut down: the process "died"): no turn runs after it,
+/// so nothing more is written or sent; requests waiting and submitted later fail with
+/// `Closed`; the status sender is dropped, so watchers see the end.
+struct Stopping(Arc<Shared>);
+
+impl Drop for Stopping {
+    fn drop(&mut self) {
+        let mut core = self.0.core.lock();
+        core.stopped = true;
+        // A link still here was not retired (the task did not end): drop it as it is.
+        core.tx = None;
+        core.new_rx = None;
+        core.sending = None;
+        core.backlog.clear();
+        // Dropping the sender stops the witness worker once it is idle.
+        core.witness = None;
+        core.status = None;
+        core.closing.clear();
+        drop(core);
+        let mut wake = Vec::new();
+        self.0.slots.lock().fail_all(ErrorKind::Closed, &mut wake);
+        wake.into_iter().for_each(Waker::wake);
+    }
+}
+
+impl Core {
     /// Tell the endpoint if the local replica lost data since the last look.
     fn check_data_loss(&mut self) {
         let count = self.local.data_loss_count();
@@ -198,6 +491,38 @@ impl Driver {
             self.data_loss_seen = count;
             self.ep.local_data_lost(Instant::now());
         }
+    }
+
+    /// The task's receiving half: the one attached since the last look, or none once
+    /// the link it came from is gone.
+    fn take_rx(&mut self, rx: &mut Option<(u64, Box<dyn LinkRx>)>) {
+        if let Some(new) = self.new_rx.take() {
+            *rx = Some((self.link_gen, new));
+        } else if rx.as_ref().is_some_and(|(g, _)| *g != self.link_gen) {
+            *rx = None;
+        }
+    }
+
+    /// What the task received on the link of count `link` (its receiving half `rx`,
+    /// which is swapped or dropped if the link changed since).
+    fn link_message(
+        &mut self,
+        link: u64,
+        msg: Result<Message>,
+        rx: &mut Option<(u64, Box<dyn LinkRx>)>,
+    ) {
+        // A link dropped or replaced since counts for nothing.
+        if link == self.link_gen {
+            match msg {
+                Ok(m) => self.peer_message(m),
+                Err(e) => {
+                    let reason = e.to_string();
+                    self.drop_link();
+                    self.ep.handle_disconnected(Instant::now(), &reason);
+                }
+            }
+        }
+        self.take_rx(rx);
     }
 
     /// A message from the peer (fail point `mirror::recv_ack` may drop an ack).
@@ -220,23 +545,6 @@ impl Driver {
     fn command(&mut self, cmd: Command) {
         let now = Instant::now();
         match cmd {
-            Command::Write {
-                offset,
-                payload,
-                fua,
-                done,
-            } => {
-                let r = self.ep.submit_write(now, offset, payload, fua);
-                self.waiters.insert(r, done);
-            }
-            Command::Flush { done } => {
-                let r = self.ep.submit_flush(now);
-                self.waiters.insert(r, done);
-            }
-            Command::Read { offset, len, done } => {
-                let r = self.ep.submit_read(now, offset, len);
-                self.waiters.insert(r, done);
-            }
             Command::Attach { link, first } => {
                 if self.tx.is_some() {
                     self.drop_link();
@@ -259,8 +567,9 @@ impl Driver {
                     self.link_transport = Arc::from(link.transport());
                 }
                 let (tx, rx) = link.into_split();
+                self.link_gen += 1;
                 self.tx = Some(Arc::from(tx));
-                self.rx = Some(rx);
+                self.new_rx = Some(rx);
                 self.ep.handle_connected(now);
                 if let Some(m) = first {
                     self.ep.handle_message(now, m);
@@ -318,13 +627,14 @@ impl Driver {
 
     fn drop_link(&mut self) {
         self.tx = None;
-        self.rx = None;
+        self.new_rx = None;
+        self.link_gen += 1;
         self.sending = None;
         self.backlog.clear();
     }
 
     /// Hand the link every message it takes without waiting.
-    async fn pump_sends(&mut self) {
+    fn pump_sends(&mut self, cx: &mut Context<'_>) {
         while let Some(tx) = &self.tx {
             if self.sending.is_none() {
                 if self.backlog.is_empty() {
@@ -337,7 +647,7 @@ impl Driver {
             let Some(fut) = self.sending.as_mut() else {
                 return;
             };
-            match poll_once(fut).await {
+            match fut.poll_unpin(cx) {
                 Poll::Pending => return,
                 Poll::Ready(r) => {
                     self.sending = None;
@@ -357,7 +667,8 @@ impl Driver {
 
     /// Close the link in the background, after what is queued (a Refuse, say) is sent.
     fn retire_link(&mut self) {
-        self.rx = None;
+        self.new_rx = None;
+        self.link_gen += 1;
         let (Some(tx), sending, backlog) = (
             self.tx.take(),
             self.sending.take(),
@@ -365,7 +676,7 @@ impl Driver {
         ) else {
             return;
         };
-        tokio::spawn(async move {
+        self.runtime.spawn(async move {
             if let Some(f) = sending {
                 let _ = f.await;
             }
@@ -375,14 +686,13 @@ impl Driver {
     }
 
     /// Act on one endpoint event; `stale` events belong to a link already replaced and
-    /// must not retire the current one. Completions are collected into `completed`.
-    fn on_event(&mut self, ev: Event, stale: bool, completed: &mut Vec<(Reply, LocalResult)>) {
+    /// must not retire the current one.
+    fn on_event(&mut self, ev: Event, stale: bool) {
         match ev {
-            Event::Completed { request, result } => {
-                if let Some(w) = self.waiters.remove(&request) {
-                    completed.push((w, result));
-                }
-            }
+            Event::Completed { request, result } => match self.waiters.remove(&request) {
+                Some(w) => self.replies.push((w, result)),
+                None => self.completed.push((request, result)),
+            },
             Event::Connected => self.last_problem = None,
             Event::Refused { reason } | Event::PeerLost { reason } => {
                 warn!("mirror link dropped: {reason}");
@@ -431,9 +741,36 @@ impl Driver {
         }
     }
 
-    /// Carry out everything the endpoint has queued.
-    async fn drain(&mut self) {
-        let mut completed = Vec::new();
+    /// Local I/O, sends and SCSI calls that finished since they were last polled (each
+    /// registers `cx`'s waker while it runs): `Ready` when something finished.
+    fn poll_running(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        let mut moved = false;
+        while let Poll::Ready(Some((op, res))) = self.running.poll_next_unpin(cx) {
+            self.local_done(op, res);
+            moved = true;
+        }
+        if let Some(f) = self.sending.as_mut()
+            && let Poll::Ready(r) = f.poll_unpin(cx)
+        {
+            self.sending = None;
+            self.sent(r);
+            moved = true;
+        }
+        while let Poll::Ready(Some((epoch, id, res))) = self.scsi_running.poll_next_unpin(cx) {
+            self.ep.reply_scsi(Instant::now(), epoch, id, res);
+            moved = true;
+        }
+        if moved {
+            Poll::Ready(())
+        } else {
+            Poll::Pending
+        }
+    }
+
+    /// Carry out the endpoint's outputs: messages first (the peer starts its half while
+    /// this node does its own), then local I/O, then events. Whether anything moved.
+    fn drain(&mut self, cx: &mut Context<'_>) -> bool {
+        let mut any = false;
         loop {
             let mut moved = false;
             while let Some(m) = self.ep.poll_transmit() {
@@ -442,16 +779,16 @@ impl Driver {
                     self.backlog.push_back(m);
                 }
             }
-            self.pump_sends().await;
+            self.pump_sends(cx);
             while let Some(io) = self.ep.poll_local_io() {
                 moved = true;
                 #[cfg(feature = "failpoints")]
                 if let Some((op, kind)) = self.points.local_io(&io) {
-                    self.running
+                    self.fresh
                         .push(Box::pin(std::future::ready((op, Err(kind)))));
                     continue;
                 }
-                self.running.push(run_local(
+                self.fresh.push(run_local(
                     Arc::clone(&self.local),
                     Arc::clone(&self.meta),
                     io,
@@ -459,16 +796,22 @@ impl Driver {
             }
             while let Some(ev) = self.stale_events.pop_front() {
                 moved = true;
-                self.on_event(ev, true, &mut completed);
+                self.on_event(ev, true);
             }
             while let Some(ev) = self.ep.poll_event() {
                 moved = true;
-                self.on_event(ev, false, &mut completed);
+                self.on_event(ev, false);
             }
             if !moved {
-                break;
+                return any;
             }
+            any = true;
         }
+    }
+
+    /// Progress and status after a turn. Operator answers go out here, after the status
+    /// shows their effect.
+    fn publish(&mut self) {
         let now_t = Instant::now();
         let progress = self.ep.sync_progress(now_t);
         if progress.is_some() || self.progress.lock().is_some() {
@@ -502,21 +845,37 @@ impl Driver {
                 started: self.started,
             },
         );
-        self.status.send_if_modified(|s| {
-            if *s != now {
-                *s = now;
-                true
-            } else {
-                false
-            }
-        });
+        if let Some(status) = &self.status {
+            status.send_if_modified(|s| {
+                if *s != now {
+                    *s = now;
+                    true
+                } else {
+                    false
+                }
+            });
+        }
         // Completions last, so a caller that looks at the status after its request
         // completed sees the state the completion came from.
-        for (w, result) in completed {
+        for (w, result) in self.replies.drain(..) {
             let _ = w.send(result);
         }
         for (done, result) in self.operator_replies.drain(..) {
             let _ = done.send(result);
+        }
+    }
+
+    /// Fill the slots of this turn's completions (after the status was published, so a
+    /// caller that looks at it after its request completed sees the state the
+    /// completion came from); their wakers go to `wake`, to be woken once the lock is
+    /// released.
+    fn take_completions(&mut self, slots: &Mutex<Slots>, wake: &mut Vec<Waker>) {
+        if self.completed.is_empty() {
+            return;
+        }
+        let mut slots = slots.lock();
+        for (req, result) in self.completed.drain(..) {
+            wake.extend(slots.fill(req, result));
         }
     }
 }
@@ -526,23 +885,10 @@ async fn poll_once<F: std::future::Future + Unpin>(fut: &mut F) -> Poll<F::Outpu
     std::future::poll_fn(|cx| Poll::Ready(std::pin::Pin::new(&mut *fut).poll(cx))).await
 }
 
-async fn poll_sending(sending: &mut Option<SendFuture>) -> Result<()> {
-    match sending {
-        Some(f) => f.await,
-        None => std::future::pending().await,
-    }
-}
-
-async fn recv(rx: &mut Option<Box<dyn LinkRx>>) -> Result<Message> {
+/// The next message on the task's link, with the link's count.
+async fn recv(rx: &mut Option<(u64, Box<dyn LinkRx>)>) -> (u64, Result<Message>) {
     match rx {
-        Some(rx) => rx.recv().await,
-        None => std::future::pending().await,
-    }
-}
-
-async fn sleep_until(deadline: Option<tokio::time::Instant>) {
-    match deadline {
-        Some(d) => tokio::time::sleep_until(d).await,
+        Some((link, rx)) => (*link, rx.recv().await),
         None => std::future::pending().await,
     }
 }

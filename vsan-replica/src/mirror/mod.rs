@@ -2,27 +2,27 @@
 //! protocol [`Endpoint`] for it.
 //!
 //! ```text
-//!  callers ──(read/write/flush)──> MirroredDisk ──commands──> driver task
-//!                                                               │ owns Endpoint
-//!                 local replica (Arc<dyn BlockDevice>) <── LocalIo ┤
-//!                 peer link (LinkTx / LinkRx)          <── Message ┘
+//!  callers ──(read/write/flush: inline)──▶ Core (Endpoint + what carries it out) ◀── driver task
+//!          ──(operator commands, links)──▶ driver task                              (links,
+//!                 local replica (Arc<dyn BlockDevice>) ◀── LocalIo ┤                  timers)
+//!                 peer link (LinkTx / LinkRx)          ◀── Message ┘
 //! ```
 //!
-//! The driver is the only place that awaits: it feeds the endpoint caller requests,
-//! peer messages, local I/O completions and timer expiries, and carries out what the
-//! endpoint asks (send, run local I/O, complete requests, drop the link).
+//! A caller's read, write or flush is carried out by the caller itself: it enters the
+//! driver's core, hands the request to the endpoint and runs a turn (the messages go to
+//! the link, the local I/O starts), then waits in a slot for the completion — under a
+//! [`Plug`](vsan_core::plug::Plug), one turn at the unplug carries out every request
+//! the caller started. The driver task waits for what no caller waits for (peer
+//! messages, the endpoint's timer, operator commands, new links) and runs turns of its
+//! own; see `driver.rs`.
 //!
-//! A local replica that loses acknowledged data (a write-back cache whose fast device
-//! failed) says so through [`BlockDevice::data_loss_count`], which it bumps before it
-//! completes anything that could show the loss. The driver looks at the count on every
-//! turn and before it hands the endpoint any local completion, and tells the endpoint
-//! first ([`Endpoint::local_data_lost`]): so no read of lost data reaches a caller.
-//!
-//! Files: this one holds the [`MirroredDisk`] handle and the commands it sends;
-//! `driver.rs` the task loop that owns the endpoint; `status.rs` what the handle reports
-//! ([`MirrorStatus`]); `witness_worker.rs` the task that asks the quorum witness.
+//! Files: this one holds the [`MirroredDisk`] handle, its requests and the commands it
+//! sends; `driver.rs` the core and the task; `slots.rs` where requests wait;
+//! `status.rs` what the handle reports ([`MirrorStatus`]); `witness_worker.rs` the task
+//! that asks the quorum witness.
 
 mod driver;
+mod slots;
 mod status;
 mod witness_worker;
 
@@ -41,38 +41,22 @@ use crate::protocol::{Config, Endpoint, Message, ResyncRate, SyncProgress, Write
 use crate::transport::Link;
 use crate::witness::WitnessClient;
 
-use driver::Driver;
+use crate::protocol::RequestId;
+use driver::{Core, Io, Shared};
 pub use status::{MirrorStatus, Serving, SyncStart};
 use status::{Observed, status_of};
 use witness_worker::witness_worker;
 
 type Reply = oneshot::Sender<std::result::Result<Option<Bytes>, ErrorKind>>;
 
+/// What goes to the driver task through its channel: everything but the callers' I/O,
+/// which they carry out themselves.
 enum Command {
-    Write {
-        offset: u64,
-        payload: WritePayload,
-        fua: bool,
-        done: Reply,
-    },
-    Flush {
-        done: Reply,
-    },
-    Read {
-        offset: u64,
-        len: u32,
-        done: Reply,
-    },
     /// A new link to the peer; `first` is a message already read from it (the acceptor
     /// reads the peer's Hello to learn which disk the link is for).
-    Attach {
-        link: Link,
-        first: Option<Message>,
-    },
+    Attach { link: Link, first: Option<Message> },
     /// Start an online verify from this node.
-    Verify {
-        done: oneshot::Sender<Result<()>>,
-    },
+    Verify { done: oneshot::Sender<Result<()>> },
     /// Discard this node's data in a split brain (on the next handshake).
     DiscardMyData,
     /// An operator's action; answers what was done or why not.
@@ -81,14 +65,9 @@ enum Command {
         done: OperatorReply,
     },
     /// A call to the peer's SCSI layer.
-    Scsi {
-        body: Bytes,
-        done: Reply,
-    },
+    Scsi { body: Bytes, done: Reply },
     /// Finish in-flight I/O, mark the metadata clean, stop.
-    Close {
-        done: oneshot::Sender<Result<()>>,
-    },
+    Close { done: oneshot::Sender<Result<()>> },
 }
 
 /// Where the answer to an operator's action goes: what was done, or why not.
@@ -174,6 +153,7 @@ pub fn meta_params(cfg: &Config, chunk_size: u64) -> MetaParams {
 pub struct MirroredDisk {
     name: Arc<str>,
     geometry: Geometry,
+    shared: Arc<Shared>,
     commands: mpsc::UnboundedSender<Command>,
     status: watch::Receiver<MirrorStatus>,
     progress: Arc<parking_lot::Mutex<Option<SyncProgress>>>,
@@ -297,12 +277,12 @@ impl MirroredDisk {
             layout,
             area: tokio::sync::Mutex::new(None),
         });
-        let driver = Driver {
+        let core = Core {
             name: Arc::clone(&name),
             ep: endpoint,
             local,
             meta: replica.meta,
-            status: status_tx,
+            status: Some(status_tx),
             progress: Arc::clone(&progress),
             witness: witness_tx,
             quorum_tx,
@@ -312,25 +292,35 @@ impl MirroredDisk {
             last_progress_log: Instant::now(),
             last_sync_start: None,
             waiters: FastMap::default(),
+            replies: Vec::new(),
+            completed: Vec::new(),
             tx: None,
-            rx: None,
+            new_rx: None,
+            link_gen: 0,
             link_transport: Arc::from(""),
             sending: None,
             backlog: VecDeque::new(),
             running: FuturesUnordered::new(),
+            fresh: Vec::new(),
+            finished: Vec::new(),
             scsi: Arc::clone(&scsi),
             scsi_running: FuturesUnordered::new(),
             last_problem: None,
             data_loss_base,
             data_loss_seen: data_loss_base,
             started,
+            armed: None,
+            stopped: false,
+            runtime: handle.clone(),
             #[cfg(feature = "failpoints")]
             points,
         };
-        handle.spawn(driver.run(rx, quorum_rx));
+        let shared = Arc::new(Shared::new(Arc::clone(&name), core, handle.clone()));
+        handle.spawn(driver::run(Arc::clone(&shared), rx, quorum_rx));
         Ok(MirroredDisk {
             name,
             geometry,
+            shared,
             commands,
             status,
             progress,
@@ -495,28 +485,30 @@ impl MirroredDisk {
         self.status.clone()
     }
 
+    /// A request through the driver task's channel (a SCSI call).
     fn request(&self, make: impl FnOnce(Reply) -> Command) -> IoFuture<'_, Option<Bytes>> {
         let (done, rx) = oneshot::channel();
         let sent = self.commands.send(make(done));
-        let name = Arc::clone(&self.name);
         Box::pin(async move {
             if sent.is_err() {
-                return Err(Error::new(
-                    ErrorKind::Closed,
-                    format!("disk {name}: mirror driver has stopped"),
-                ));
+                return Err(failed(&self.name, ErrorKind::Closed));
             }
             match rx.await {
                 Ok(Ok(data)) => Ok(data),
-                Ok(Err(kind)) => Err(Error::new(
-                    kind,
-                    format!("disk {name}: mirrored I/O failed"),
-                )),
-                Err(_) => Err(Error::new(
-                    ErrorKind::Closed,
-                    format!("disk {name}: mirror driver has stopped"),
-                )),
+                Ok(Err(kind)) => Err(failed(&self.name, kind)),
+                Err(_) => Err(failed(&self.name, ErrorKind::Closed)),
             }
+        })
+    }
+
+    /// Submit `io` (already checked against the geometry) and wait for its result,
+    /// handed to the caller through `finish`.
+    fn io<T: Send + 'static>(&self, io: Io, finish: fn(Option<Bytes>) -> T) -> IoFuture<'_, T> {
+        Box::pin(Request {
+            shared: &self.shared,
+            io: Some(io),
+            req: None,
+            finish,
         })
     }
 
@@ -531,13 +523,82 @@ impl MirroredDisk {
             return Box::pin(std::future::ready(Err(e)));
         }
         let fua = flags.contains(IoFlags::FUA);
-        let fut = self.request(|done| Command::Write {
-            offset,
-            payload,
-            fua,
-            done,
-        });
-        Box::pin(async move { fut.await.map(drop) })
+        self.io(
+            Io::Write {
+                offset,
+                payload,
+                fua,
+            },
+            drop,
+        )
+    }
+}
+
+/// A caller's read, write or flush: submitted (and carried out, or queued under a plug)
+/// on its first poll, then waiting in its slot.
+struct Request<'a, T> {
+    shared: &'a Arc<Shared>,
+    /// Not yet submitted.
+    io: Option<Io>,
+    /// Submitted: waiting in this slot.
+    req: Option<RequestId>,
+    /// What the caller gets of a result.
+    finish: fn(Option<Bytes>) -> T,
+}
+
+impl<T> std::future::Future for Request<'_, T> {
+    type Output = Result<T>;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        use std::task::Poll;
+        // A request may complete in its first poll (degraded, or a read): a caller
+        // that loops on such requests yields now and then, as it would on any tokio
+        // resource, so the driver task and the caller's neighbours get to run.
+        let coop = std::task::ready!(tokio::task::coop::poll_proceed(cx));
+        let this = &mut *self;
+        if let Some(io) = this.io.take() {
+            match this.shared.submit(io, cx.waker()) {
+                Ok(req) => this.req = Some(req),
+                Err(kind) => {
+                    coop.made_progress();
+                    return Poll::Ready(Err(failed(&this.shared.name, kind)));
+                }
+            }
+        }
+        let Some(req) = this.req else {
+            return Poll::Ready(Err(failed(&this.shared.name, ErrorKind::Closed)));
+        };
+        match this.shared.slots.lock().take(req, cx.waker()) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(result) => {
+                this.req = None;
+                coop.made_progress();
+                Poll::Ready(match result {
+                    Some(Ok(data)) => Ok((this.finish)(data)),
+                    Some(Err(kind)) => Err(failed(&this.shared.name, kind)),
+                    None => Err(failed(&this.shared.name, ErrorKind::Closed)),
+                })
+            }
+        }
+    }
+}
+
+impl<T> Drop for Request<'_, T> {
+    fn drop(&mut self) {
+        if let Some(req) = self.req {
+            self.shared.slots.lock().abandon(req);
+        }
+    }
+}
+
+/// The error a caller sees for a request of disk `name` that failed with `kind`.
+fn failed(name: &str, kind: ErrorKind) -> Error {
+    match kind {
+        ErrorKind::Closed => Error::new(kind, format!("disk {name}: mirror driver has stopped")),
+        _ => Error::new(kind, format!("disk {name}: mirrored I/O failed")),
     }
 }
 
@@ -550,12 +611,13 @@ impl BlockDevice for MirroredDisk {
         if let Err(e) = self.geometry.validate(Op::Read, offset, len as u64) {
             return Box::pin(std::future::ready(Err(e)));
         }
-        let fut = self.request(|done| Command::Read {
-            offset,
-            len: len as u32,
-            done,
-        });
-        Box::pin(async move { fut.await.map(Option::unwrap_or_default) })
+        self.io(
+            Io::Read {
+                offset,
+                len: len as u32,
+            },
+            Option::unwrap_or_default,
+        )
     }
 
     fn write(&self, offset: u64, data: Bytes, flags: IoFlags) -> IoFuture<'_, ()> {
@@ -563,8 +625,7 @@ impl BlockDevice for MirroredDisk {
     }
 
     fn flush(&self) -> IoFuture<'_, ()> {
-        let fut = self.request(|done| Command::Flush { done });
-        Box::pin(async move { fut.await.map(drop) })
+        self.io(Io::Flush, drop)
     }
 
     fn discard(&self, offset: u64, len: u64, flags: IoFlags) -> IoFuture<'_, ()> {
