@@ -115,11 +115,11 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let mut builder = tokio::runtime::Builder::new_multi_thread();
-    if let Some(n) = config.node.threads {
-        builder.worker_threads(n);
-    }
-    let rt = match builder.enable_all().build() {
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(config.worker_threads())
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("vsan-node: cannot start the runtime: {e}");
@@ -169,7 +169,15 @@ async fn run(config: Config, options: StartOptions) -> Result<(), StartError> {
     for line in node.ready_lines() {
         say(line);
     }
-    info!("vsan-node ready");
+    info!(
+        worker_threads = config.worker_threads(),
+        "vsan-node ready ({})",
+        if config.node.threads.is_some() {
+            "worker threads from node.threads"
+        } else {
+            "worker threads: one per disk, at most one per core"
+        }
+    );
     // The mirrors' reports after the ready lines (a replica proven at once says
     // `serving` after `ready`); each compares with "nothing happened yet", so nothing
     // that came before is missed.

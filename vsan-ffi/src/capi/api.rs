@@ -211,11 +211,8 @@ fn c_str<'a>(p: *const c_char, what: &str) -> Result<&'a str, Failure> {
 
 fn open_node(config: Config, out: *mut *mut vsan_node) -> Result<(), Failure> {
     init_log();
-    let mut builder = tokio::runtime::Builder::new_multi_thread();
-    if let Some(n) = config.node.threads {
-        builder.worker_threads(n);
-    }
-    let runtime = builder
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(config.worker_threads())
         .thread_name("vsan-rt")
         .enable_all()
         .build()

@@ -65,9 +65,8 @@ pub struct NodeSection {
     /// the lower id dials its peer's address. `host:port`, or for peers with transport
     /// "loopback" the absolute path of a Unix socket.
     pub listen: Option<String>,
-    /// Worker threads of the node's async runtime (default: one per core). Nodes that
-    /// share a machine's cores with each other or with their clients do better with
-    /// fewer.
+    /// Worker threads of the node's async runtime (default: one per disk the node
+    /// starts with, at most one per core it may run on; see [`Config::worker_threads`]).
     pub threads: Option<usize>,
     /// How long a silent peer is waited for before writes go on without it (ms).
     #[serde(default = "default_peer_timeout_ms")]
@@ -424,6 +423,27 @@ impl Config {
         })?;
         cfg.check()?;
         Ok(cfg)
+    }
+
+    /// The worker threads the node's runtime gets: `node.threads` when set, else one
+    /// per disk, at most one per core the process may run on (its CPU affinity and
+    /// cgroup quota), and at least one.
+    ///
+    /// Why per disk: a disk's I/O path is one pipeline. A mirrored disk's requests are
+    /// carried out by the tasks that submit them (a front door's connection) under the
+    /// disk's one lock, with the page-cache I/O inline; a worker beyond one per disk
+    /// has nothing of its own to do and only pulls tasks of the same pipeline onto
+    /// another thread, which then contend for that lock and wake each other. Measured
+    /// on two shared cores (BENCHMARKS.md, issue 22): a mirrored pair with two workers
+    /// per node spends more CPU per write and reaches fewer IOPS than with one. Set
+    /// `node.threads` when the node serves many busy front-door connections to a
+    /// local disk on a machine with cores to spare, or starts with few disks and gets
+    /// more through `vsanctl create` (they share the workers started with).
+    pub fn worker_threads(&self) -> usize {
+        self.node.threads.unwrap_or_else(|| {
+            let cores = std::thread::available_parallelism().map_or(1, usize::from);
+            self.disk.len().clamp(1, cores.max(1))
+        })
     }
 
     /// Read and parse a file.
