@@ -32,8 +32,9 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use crate::cpu::process_seconds as cpu_seconds;
 use crate::median;
-use crate::tgtd::{Tgtd, TgtdChap, cpu_seconds, free_port};
+use crate::tgtd::{Tgtd, TgtdChap, free_port};
 
 /// Options of `vsan-bench iscsi`.
 #[derive(Debug, Clone)]

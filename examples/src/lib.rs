@@ -1,10 +1,12 @@
 //! Shared pieces of the vsan example programs (`vsan-node`, `vsan-demo`, `vsan-bench`).
 #![deny(missing_docs)]
 pub mod cache_bench;
+pub mod cpu;
 pub mod ffi_bench;
 pub mod iscsi_bench;
 pub mod latency;
 pub mod mgmt_client;
+pub mod nbd_load;
 pub mod pattern;
 pub mod resync_bench;
 pub mod tgtd;

@@ -292,28 +292,3 @@ pub fn free_port() -> io::Result<u16> {
         "no free loopback port below {low}"
     )))
 }
-
-/// User plus system CPU time of process `pid` so far, in seconds (all its threads), from
-/// `/proc/<pid>/stat`.
-pub fn cpu_seconds(pid: u32) -> io::Result<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    // The command name (field 2) is in parentheses and may hold spaces: count fields
-    // from the last ')'.
-    let rest = stat
-        .rfind(')')
-        .and_then(|i| stat.get(i + 1..))
-        .ok_or_else(|| io::Error::other(format!("unexpected /proc/{pid}/stat: {stat}")))?;
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    // After the name: state is field 3, utime field 14, stime field 15.
-    let tick = |n: usize| -> io::Result<u64> {
-        fields
-            .get(n - 3)
-            .and_then(|v| v.parse().ok())
-            .ok_or_else(|| io::Error::other(format!("no field {n} in /proc/{pid}/stat")))
-    };
-    let ticks = tick(14)? + tick(15)?;
-    // SAFETY: sysconf only reads a configuration value.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    let hz = if hz > 0 { hz as f64 } else { 100.0 };
-    Ok(ticks as f64 / hz)
-}

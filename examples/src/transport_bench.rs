@@ -361,24 +361,9 @@ async fn setup(case: &Case, opts: &Opts, certs: &Certs, n: usize) -> Result<Setu
     Ok(s)
 }
 
-/// CPU seconds (user + system) of process `pid` so far.
-fn cpu_seconds(pid: u32) -> f64 {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-        return 0.0;
-    };
-    // Fields after the command name (which may hold spaces) start after ')'.
-    let Some(rest) = stat.rsplit(')').next() else {
-        return 0.0;
-    };
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
-    // utime and stime are fields 14 and 15 (1-based); here 0 is field 3.
-    let hz = 100.0;
-    (ticks(11) + ticks(12)) / hz
-}
-
 fn cpu_now(child: Option<&Child>) -> f64 {
-    cpu_seconds(std::process::id()) + child.map_or(0.0, |c| cpu_seconds(c.id()))
+    let cpu = |pid| crate::cpu::process_seconds(pid).unwrap_or(0.0);
+    cpu(std::process::id()) + child.map_or(0.0, |c| cpu(c.id()))
 }
 
 struct Figures {

@@ -28,9 +28,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::cpu::process_seconds as cpu_seconds;
 use crate::iscsi_bench::have;
 use crate::median;
-use crate::tgtd::cpu_seconds;
 use crate::vhost_client::VhostClient;
 
 /// Options of `vsan-bench vhost`.

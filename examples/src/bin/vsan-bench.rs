@@ -56,10 +56,19 @@ struct NbdArgs {
     /// the three servers.
     #[arg(long)]
     mirror: bool,
-    /// `node.threads` for each vsan-node (default: the node's own default, one
-    /// worker per core).
+    /// `node.threads` for each vsan-node (default: the node's own default).
     #[arg(long)]
     node_threads: Option<usize>,
+    /// Only these servers (mirror, single, nbdkit, qemu-nbd).
+    #[arg(long)]
+    only: Vec<String>,
+    /// Only these workloads (randwrite, randread).
+    #[arg(long)]
+    workloads: Vec<String>,
+    /// Also run `vsan-demo` once per round (its headline runs as long as fio's) and set
+    /// its headline IOPS beside fio's through the mirrored pair of the same round.
+    #[arg(long)]
+    demo: bool,
 }
 
 /// Options of `vsan-bench vhost`.
@@ -277,6 +286,16 @@ enum ServerKind {
 }
 
 impl ServerKind {
+    /// The word `--only` knows it by.
+    fn key(self) -> &'static str {
+        match self {
+            ServerKind::Vsan => "single",
+            ServerKind::VsanMirror => "mirror",
+            ServerKind::Nbdkit => "nbdkit",
+            ServerKind::QemuNbd => "qemu-nbd",
+        }
+    }
+
     fn name(self) -> &'static str {
         match self {
             ServerKind::Vsan => "vsan-node",
@@ -470,7 +489,7 @@ impl Running {
     fn cpu(&self) -> std::io::Result<f64> {
         self.children
             .iter()
-            .map(|c| vsan_examples::tgtd::cpu_seconds(c.id()))
+            .map(|c| vsan_examples::cpu::process_seconds(c.id()))
             .sum()
     }
 }
@@ -639,8 +658,58 @@ fn start(
     Ok((Running { children }, sock))
 }
 
+/// Run `vsan-demo` (beside this binary) with headline runs of `seconds` at `depth` on a
+/// disk of `size_mib`, and read its headline lines: (workload, figures).
+fn run_demo(
+    dir: &Path,
+    seconds: u32,
+    depth: u32,
+    size_mib: u64,
+) -> Result<Vec<(&'static str, FioRun)>, BoxError> {
+    let out = Command::new(exe_dir().join("vsan-demo"))
+        .args(["--seconds", "2", "--headline-seconds"])
+        .arg(seconds.to_string())
+        .arg("--headline-depth")
+        .arg(depth.to_string())
+        .arg("--size-mib")
+        .arg(size_mib.to_string())
+        .arg("--work-dir")
+        .arg(dir.join("demo"))
+        .stdin(Stdio::null())
+        .stderr(Stdio::inherit())
+        .output()?;
+    if !out.status.success() {
+        return Err(format!("vsan-demo failed ({})", out.status).into());
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut runs = Vec::new();
+    for w in ["randwrite", "randread"] {
+        let line = text
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("headline {w} ")))
+            .ok_or_else(|| format!("vsan-demo printed no headline {w} line"))?;
+        let field = |k: &str| -> Result<f64, BoxError> {
+            line.split_whitespace()
+                .find_map(|kv| kv.strip_prefix(k)?.strip_prefix('='))
+                .and_then(|v| v.parse().ok())
+                .ok_or_else(|| format!("no {k} in vsan-demo's headline {w} line: {line}").into())
+        };
+        runs.push((
+            w,
+            FioRun {
+                iops: field("iops")?,
+                p50: field("p50_us")?,
+                p99: field("p99_us")?,
+                cpu_us: field("cpu_us_per_io")?,
+            },
+        ));
+    }
+    Ok(runs)
+}
+
 /// What one fio run measured: IOPS, p50 and p99 completion latency (us), and the
 /// server's CPU microseconds per I/O over fio's measured window.
+#[derive(Debug, Clone)]
 struct FioRun {
     iops: f64,
     p50: f64,
@@ -708,6 +777,9 @@ fn nbd_bench(args: NbdArgs) -> Result<(), BoxError> {
         vsan_node,
         mirror,
         node_threads,
+        only,
+        workloads: wanted,
+        demo,
     } = args;
     if !have("fio") {
         return Err("fio is not installed (apt-get install fio)".into());
@@ -739,6 +811,10 @@ fn nbd_bench(args: NbdArgs) -> Result<(), BoxError> {
             );
         }
     }
+    kinds.retain(|k| only.is_empty() || only.iter().any(|w| k.key() == w));
+    if kinds.is_empty() {
+        return Err(format!("no server matches --only {only:?}").into());
+    }
     let size = size_mib << 20;
     // Reads go to a file filled once with data (clean pages in the page cache). Writes go
     // to a fresh sparse file per run: rewriting clean, already-synced pages costs the
@@ -746,21 +822,30 @@ fn nbd_bench(args: NbdArgs) -> Result<(), BoxError> {
     // meets would depend on what ran before it.
     let read_image = dir.join("bench-read.img");
     let write_image = dir.join("bench-write.img");
-    println!("filling {} ({size_mib} MiB)...", read_image.display());
-    fill(&read_image, size)?;
-
-    let workloads = ["randwrite", "randread"];
+    let workloads: Vec<&str> = ["randwrite", "randread"]
+        .into_iter()
+        .filter(|w| wanted.is_empty() || wanted.iter().any(|x| x == w))
+        .collect();
+    if workloads.is_empty() {
+        return Err(format!("no workload matches --workloads {wanted:?}").into());
+    }
+    if workloads.contains(&"randread") {
+        println!("filling {} ({size_mib} MiB)...", read_image.display());
+        fill(&read_image, size)?;
+    }
     let mut results: Vec<(ServerKind, &str, Sample)> = Vec::new();
     for &k in &kinds {
-        for w in workloads {
+        for &w in &workloads {
             results.push((k, w, Sample::default()));
         }
     }
+    let mut demos: Vec<(u32, &str, FioRun, FioRun)> = Vec::new();
     for round in 0..rounds {
+        let mut mirrored_this_round: Vec<(&str, f64, f64)> = Vec::new();
         // Rotate the order each round so no server always runs first (or last).
         let mut order = kinds.clone();
         order.rotate_left(round as usize % kinds.len());
-        for w in workloads {
+        for &w in &workloads {
             for &k in &order {
                 let image = if w == "randread" {
                     &read_image
@@ -782,6 +867,9 @@ fn nbd_bench(args: NbdArgs) -> Result<(), BoxError> {
                     r.p99,
                     r.cpu_us
                 );
+                if k == ServerKind::VsanMirror {
+                    mirrored_this_round.push((w, r.iops, r.cpu_us));
+                }
                 if let Some((_, _, s)) = results.iter_mut().find(|(kk, ww, _)| *kk == k && *ww == w)
                 {
                     s.iops.push(r.iops);
@@ -790,6 +878,51 @@ fn nbd_bench(args: NbdArgs) -> Result<(), BoxError> {
                     s.cpu_us.push(r.cpu_us);
                 }
             }
+        }
+        if demo {
+            let runs = run_demo(&dir, seconds, iodepth, size_mib)?;
+            for (w, iops, cpu_us) in mirrored_this_round {
+                if let Some((_, d)) = runs.iter().find(|(dw, _)| *dw == w) {
+                    println!(
+                        "round {} {w:<10} {:<18} {:>10.0} IOPS  p50 {:>7.1} us  p99 {:>7.1} us  CPU {:>5.1} us/IO",
+                        round + 1,
+                        "vsan-demo",
+                        d.iops,
+                        d.p50,
+                        d.p99,
+                        d.cpu_us
+                    );
+                    let fio = FioRun {
+                        iops,
+                        p50: f64::NAN,
+                        p99: f64::NAN,
+                        cpu_us,
+                    };
+                    demos.push((round, w, d.clone(), fio));
+                }
+            }
+        }
+    }
+
+    if !demos.is_empty() {
+        println!();
+        println!(
+            "vsan-demo headline (one connection, {iodepth} in flight, {seconds} s) beside fio through the mirrored pair, round by round:"
+        );
+        println!(
+            "| round | workload | vsan-demo IOPS | fio IOPS (vsan-node mirrored) | demo/fio | demo CPU us/IO | fio run's CPU us/IO |"
+        );
+        println!("|---:|---|---:|---:|---:|---:|---:|");
+        for (round, w, d, f) in &demos {
+            println!(
+                "| {} | {w} | {:.0} | {:.0} | {:.2}x | {:.1} | {:.1} |",
+                round + 1,
+                d.iops,
+                f.iops,
+                d.iops / f.iops,
+                d.cpu_us,
+                f.cpu_us
+            );
         }
     }
 
@@ -803,7 +936,7 @@ fn nbd_bench(args: NbdArgs) -> Result<(), BoxError> {
     println!("|---|---|---:|---:|---:|---:|---:|---:|---:|");
     let ratio =
         |x: f64, base: Option<f64>| base.map_or("n/a".to_string(), |b| format!("{:.2}x", x / b));
-    for w in workloads {
+    for &w in &workloads {
         let of = |kind: ServerKind| {
             results
                 .iter()

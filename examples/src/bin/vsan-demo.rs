@@ -1,13 +1,22 @@
 //! `vsan-demo`: the README's main job — a two-node synchronous mirror under load.
 //!
-//! Starts two in-process nodes (node 1 and node 2), each with a file-backed replica in a
-//! work directory under `target/`, mirrored over TCP on loopback, and each exporting the
-//! mirrored disk over NBD on a free loopback port. A mixed 4 KiB workload then runs
-//! against BOTH nodes at once for about ten seconds with a live progress line: every
-//! worker writes its own blocks through its home node and reads them back through either
-//! node, so a read on node 2 of a block just acknowledged on node 1 proves the write was
-//! on both replicas before it completed. At the end it flushes, prints per-node IOPS and
-//! p50/p99 latency, stops both nodes, compares the two replica files byte for byte
+//! Starts two in-process nodes (node 1 and node 2), each on a runtime of its own with one
+//! worker thread (what `vsan-node` gives a node with one disk) and a file-backed replica
+//! in a work directory under `target/`, mirrored over TCP on loopback, and each exporting
+//! the mirrored disk over NBD on a free loopback port and a Unix socket. A mixed 4 KiB
+//! workload then runs against BOTH nodes at once for about ten seconds with a live
+//! progress line: every worker writes its own blocks through its home node and reads
+//! them back through either node, so a read on node 2 of a block just acknowledged on
+//! node 1 proves the write was on both replicas before it completed.
+//!
+//! Then the headline: 4 KiB random writes with 32 in flight on one connection to node 1,
+//! then 4 KiB random reads the same way from node 2 (each checked against what was
+//! acknowledged), from a lean client ([`nbd_load`](vsan_examples::nbd_load)) on a
+//! runtime of its own, so the nodes and not the client set the pace: IOPS, p50/p99
+//! latency and the nodes' CPU time per I/O (both nodes' threads, from
+//! `/proc/self/task`). `vsan-bench nbd --mirror --demo` runs this beside fio.
+//!
+//! At the end it flushes, stops both nodes, compares the two replica files byte for byte
 //! (printing each one's checksum), checks every written block against what was
 //! acknowledged, and exits non-zero on any mismatch.
 //!
@@ -32,7 +41,7 @@ use rand::{Rng, SeedableRng};
 use vsan_core::export::nbd::{Client, Export, Server};
 use vsan_core::{BlockDevice, FileOptions};
 use vsan_examples::pattern::{BLOCK, BlockLog, expected_block};
-use vsan_examples::target_work_dir;
+use vsan_examples::{nbd_load, target_work_dir};
 use vsan_replica::connect::{accept_loop, dial_loop};
 use vsan_replica::meta;
 use vsan_replica::protocol::{Config as MirrorConfig, DiskId, LinkState};
@@ -64,17 +73,26 @@ struct Args {
     /// Work directory (default: target/vsan-demo next to the binary's target dir).
     #[arg(long)]
     work_dir: Option<PathBuf>,
+    /// Seconds of each headline run (random writes, then random reads, 32 in flight).
+    #[arg(long, default_value_t = 5.0)]
+    headline_seconds: f64,
+    /// Requests in flight in the headline runs.
+    #[arg(long, default_value_t = 32)]
+    headline_depth: usize,
 }
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-/// One in-process node: its replica file, mirrored disk and NBD server.
+/// One in-process node: its replica file, mirrored disk and NBD server (TCP and a Unix
+/// socket), all on the node's own runtime.
 struct DemoNode {
     image: PathBuf,
     disk: MirroredDisk,
     server: Server,
     addr: String,
+    socket: PathBuf,
     serving: tokio::task::JoinHandle<vsan_core::Result<()>>,
+    serving_unix: tokio::task::JoinHandle<vsan_core::Result<()>>,
 }
 
 #[derive(Default)]
@@ -97,19 +115,44 @@ fn histogram() -> Result<Histogram<u64>, BoxError> {
     Ok(Histogram::new_with_bounds(1, 60_000_000, 3)?)
 }
 
-fn main() -> ExitCode {
-    let args = Args::parse();
-    let rt = match tokio::runtime::Builder::new_multi_thread()
+/// A node's runtime: one worker thread, named after the node (its CPU time is read by
+/// that name), as `vsan-node` runs a node with one disk.
+fn node_runtime(id: u32) -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name(format!("{NODE_THREADS}{id}"))
         .enable_all()
         .build()
-    {
-        Ok(rt) => rt,
+}
+
+/// The name prefix of the nodes' threads.
+const NODE_THREADS: &str = "vsan-node";
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let runtimes = (|| {
+        Ok::<_, std::io::Error>((
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .thread_name("demo-client")
+                .enable_all()
+                .build()?,
+            [node_runtime(1)?, node_runtime(2)?],
+        ))
+    })();
+    let (client, nodes) = match runtimes {
+        Ok(r) => r,
         Err(e) => {
-            eprintln!("vsan-demo: cannot start the runtime: {e}");
+            eprintln!("vsan-demo: cannot start the runtimes: {e}");
             return ExitCode::from(1);
         }
     };
-    match rt.block_on(run(args)) {
+    let handles = [nodes[0].handle().clone(), nodes[1].handle().clone()];
+    let result = client.block_on(run(args, handles));
+    for rt in nodes {
+        rt.shutdown_timeout(Duration::from_secs(5));
+    }
+    match result {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::from(1),
         Err(e) => {
@@ -119,7 +162,20 @@ fn main() -> ExitCode {
     }
 }
 
+/// Start node `id` on its runtime `rt`.
 async fn start_node(
+    rt: &tokio::runtime::Handle,
+    id: u32,
+    dir: &Path,
+    size: u64,
+    fresh: bool,
+) -> Result<(DemoNode, Arc<dyn BlockDevice>), BoxError> {
+    let dir = dir.to_path_buf();
+    rt.spawn(async move { start_node_here(id, &dir, size, fresh).await })
+        .await?
+}
+
+async fn start_node_here(
     id: u32,
     dir: &Path,
     size: u64,
@@ -127,6 +183,7 @@ async fn start_node(
 ) -> Result<(DemoNode, Arc<dyn BlockDevice>), BoxError> {
     let image = dir.join(format!("node{id}.img"));
     let meta_path = dir.join(format!("node{id}.meta"));
+    let socket = dir.join(format!("node{id}.sock"));
     if fresh {
         let _ = std::fs::remove_file(&image);
         let _ = std::fs::remove_file(&meta_path);
@@ -157,28 +214,38 @@ async fn start_node(
     let addr = listener.local_addr()?.to_string();
     let s = server.clone();
     let serving = tokio::spawn(async move { s.serve_tcp(listener).await });
+    let _ = std::fs::remove_file(&socket);
+    let unix = tokio::net::UnixListener::bind(&socket)?;
+    let s = server.clone();
+    let serving_unix = tokio::spawn(async move { s.serve_unix(unix).await });
     Ok((
         DemoNode {
             image,
             disk,
             server,
             addr,
+            socket,
             serving,
+            serving_unix,
         },
         local,
     ))
 }
 
-/// Node 2's replication listener, routing links to its disk.
+/// Node 2's replication listener on its runtime `rt`, routing links to its disk.
 async fn accept_for(
+    rt: &tokio::runtime::Handle,
     transport: &Arc<dyn Transport>,
     disk: &MirroredDisk,
 ) -> Result<(String, tokio::task::JoinHandle<()>), BoxError> {
-    let listener = transport.listen("127.0.0.1:0").await?;
+    let (transport, disk) = (Arc::clone(transport), disk.clone());
+    let listener = rt
+        .spawn(async move { transport.listen("127.0.0.1:0").await })
+        .await??;
     let addr = listener.local_addr();
-    let task = tokio::spawn(accept_loop(
+    let task = rt.spawn(accept_loop(
         listener,
-        HashMap::from([("demo".to_string(), disk.clone())]),
+        HashMap::from([("demo".to_string(), disk)]),
     ));
     Ok((addr, task))
 }
@@ -326,7 +393,7 @@ async fn workload(
     Ok(started.elapsed().as_secs_f64())
 }
 
-async fn run(args: Args) -> Result<bool, BoxError> {
+async fn run(args: Args, rt: [tokio::runtime::Handle; 2]) -> Result<bool, BoxError> {
     let dir = args
         .work_dir
         .clone()
@@ -335,11 +402,11 @@ async fn run(args: Args) -> Result<bool, BoxError> {
     let size = args.size_mib << 20;
 
     // Two nodes, mirrored over TCP on loopback: node 2 accepts, node 1 dials.
-    let (n1, local1) = start_node(1, &dir, size, true).await?;
-    let (n2, _) = start_node(2, &dir, size, true).await?;
+    let (n1, local1) = start_node(&rt[0], 1, &dir, size, true).await?;
+    let (n2, _) = start_node(&rt[1], 2, &dir, size, true).await?;
     let transport: Arc<dyn Transport> = Arc::new(TcpTransport::new());
-    let (replication, accepting) = accept_for(&transport, &n2.disk).await?;
-    let dialing = tokio::spawn(dial_loop(
+    let (replication, accepting) = accept_for(&rt[1], &transport, &n2.disk).await?;
+    let dialing = rt[0].spawn(dial_loop(
         Arc::clone(&transport),
         replication.clone(),
         n1.disk.clone(),
@@ -352,9 +419,10 @@ async fn run(args: Args) -> Result<bool, BoxError> {
     );
     for (n, node) in [(1, &n1), (2, &n2)] {
         println!(
-            "  node {n}: replica {}  NBD nbd://{}/demo",
+            "  node {n}: replica {}  NBD nbd://{}/demo  nbd+unix:///demo?socket={}",
             node.image.display(),
-            node.addr
+            node.addr,
+            node.socket.display()
         );
     }
 
@@ -420,6 +488,58 @@ async fn run(args: Args) -> Result<bool, BoxError> {
         written as f64 / (1 << 20) as f64
     );
 
+    // The headline: the mirror's own speed, from a client that keeps up with it.
+    println!();
+    let headline = Duration::from_secs_f64(args.headline_seconds.max(0.1));
+    let mut headline_ok = true;
+    for (writes, node) in [(true, &n1), (false, &n2)] {
+        let load = nbd_load::Load {
+            depth: args.headline_depth.max(1),
+            duration: headline,
+            writes,
+            blocks,
+            seed: rand::random(),
+        };
+        let cpu0 = vsan_examples::cpu::threads_seconds(NODE_THREADS)?;
+        let stream = tokio::net::UnixStream::connect(&node.socket).await?;
+        let r = nbd_load::run(stream, "demo", load, &shared.log).await?;
+        let cpu = vsan_examples::cpu::threads_seconds(NODE_THREADS)? - cpu0;
+        let (what, via) = if writes {
+            ("randwrite", "writes through node 1")
+        } else {
+            ("randread", "reads through node 2")
+        };
+        let iops = r.ios as f64 / r.elapsed.as_secs_f64();
+        let cpu_us = if r.ios > 0 {
+            cpu * 1e6 / r.ios as f64
+        } else {
+            f64::NAN
+        };
+        println!(
+            "headline: 4 KiB random {via}, {} in flight on one connection: {iops:>8.0} IOPS  p50 {} us  p99 {} us  CPU {cpu_us:.1} us per I/O (both nodes)",
+            load.depth,
+            r.latency.value_at_quantile(0.5),
+            r.latency.value_at_quantile(0.99),
+        );
+        // One line for `vsan-bench nbd --mirror --demo` to read.
+        println!(
+            "headline {what} iops={iops:.0} p50_us={} p99_us={} cpu_us_per_io={cpu_us:.2} errors={} mismatches={}",
+            r.latency.value_at_quantile(0.5),
+            r.latency.value_at_quantile(0.99),
+            r.errors,
+            r.mismatches
+        );
+        shared.errors.fetch_add(r.errors, Ordering::Relaxed);
+        shared.mismatches.fetch_add(r.mismatches, Ordering::Relaxed);
+        if writes {
+            shared
+                .bytes_written
+                .fetch_add((r.ios - r.errors) * BLOCK as u64, Ordering::Relaxed);
+            shared.stats[0].writes.fetch_add(r.ios, Ordering::Relaxed);
+        }
+        headline_ok &= r.ios > 0;
+    }
+
     // The failure act: node 2 goes down, node 1 writes alone, node 2 comes back and
     // catches up.
     println!();
@@ -436,9 +556,11 @@ async fn run(args: Args) -> Result<bool, BoxError> {
     let DemoNode {
         disk: disk2,
         serving: serving2,
+        serving_unix: serving_unix2,
         ..
     } = n2;
     serving2.await??;
+    serving_unix2.await??;
     drop(disk2);
     let mut status = n1.disk.watch_status();
     tokio::time::timeout(
@@ -467,10 +589,10 @@ async fn run(args: Args) -> Result<bool, BoxError> {
     );
 
     println!("  node 2 comes back with its stale replica; resync:");
-    let (n2, local2) = start_node(2, &dir, size, false).await?;
-    let (replication, accepting) = accept_for(&transport, &n2.disk).await?;
+    let (n2, local2) = start_node(&rt[1], 2, &dir, size, false).await?;
+    let (replication, accepting) = accept_for(&rt[1], &transport, &n2.disk).await?;
     dialing.abort();
-    let dialing = tokio::spawn(dial_loop(
+    let dialing = rt[0].spawn(dial_loop(
         Arc::clone(&transport),
         replication.clone(),
         n1.disk.clone(),
@@ -537,6 +659,8 @@ async fn run(args: Args) -> Result<bool, BoxError> {
     accepting.abort();
     for (node, local) in [(n1, local1), (n2, local2)] {
         node.serving.await??;
+        node.serving_unix.await??;
+        let _ = std::fs::remove_file(&node.socket);
         local.flush().await?;
         node.disk.close().await?;
         drop(node.disk);
@@ -583,7 +707,13 @@ async fn run(args: Args) -> Result<bool, BoxError> {
     let total_writes: u64 = (0..2)
         .map(|i| shared.stats[i].writes.load(Ordering::Relaxed))
         .sum();
-    let ok = differ == 0 && c1 == c2 && bad == 0 && live == 0 && errors == 0 && total_writes > 0;
+    let ok = differ == 0
+        && c1 == c2
+        && bad == 0
+        && live == 0
+        && errors == 0
+        && total_writes > 0
+        && headline_ok;
     println!(
         "{}",
         if ok {
