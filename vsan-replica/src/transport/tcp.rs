@@ -50,6 +50,7 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use socket2::SockRef;
 use tokio::io::Interest;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio::task::{JoinHandle, JoinSet};
@@ -237,14 +238,17 @@ async fn establish(mut stream: TcpStream, role: Role, config: &TcpConfig) -> Res
             }
         }
     };
-    let stream = Arc::new(stream);
+    // Halves of their own: the receiving half reads through tokio's `AsyncRead`, which
+    // takes a short read as the socket drained (no read that only says "would block"
+    // per batch of messages).
+    let (read, write) = stream.into_split();
     let sink = TcpSink {
-        stream: Arc::clone(&stream),
+        stream: write,
         peer: peer.clone(),
     };
     Ok(stream_link(
         sink,
-        TcpSource { stream, peer },
+        TcpSource { stream: read, peer },
         received,
         config.send_queue_limit,
         config.close_timeout,
@@ -319,7 +323,7 @@ impl Drop for TcpLinkListener {
 /// The TCP end of a link's sending half: the socket, written without `SIGPIPE`.
 #[derive(Debug)]
 struct TcpSink {
-    stream: Arc<TcpStream>,
+    stream: OwnedWriteHalf,
     peer: String,
 }
 
@@ -340,15 +344,15 @@ impl StreamSink for TcpSink {
     }
 
     fn write_now(&self, frames: &[Frame]) -> Result<usize> {
-        write_now_many(&self.stream, frames).map_err(|e| self.send_error(e))
+        write_now_many(self.stream.as_ref(), frames).map_err(|e| self.send_error(e))
     }
 
     async fn write(&self, batch: &mut [Bytes]) -> Result<usize> {
         let slices: Vec<IoSlice<'_>> = batch.iter().map(|b| IoSlice::new(b)).collect();
-        let sent = self
-            .stream
+        let stream: &TcpStream = self.stream.as_ref();
+        let sent = stream
             .async_io(Interest::WRITABLE, || {
-                SockRef::from(&*self.stream).send_vectored_with_flags(&slices, SEND_FLAGS)
+                SockRef::from(stream).send_vectored_with_flags(&slices, SEND_FLAGS)
             })
             .await;
         match sent {
@@ -359,13 +363,13 @@ impl StreamSink for TcpSink {
     }
 
     fn shut(&self) -> Result<()> {
-        SockRef::from(&*self.stream)
+        SockRef::from(self.stream.as_ref())
             .shutdown(Shutdown::Write)
             .map_err(|e| Error::io(format!("{}: close", self.peer), e))
     }
 
     fn abandon(&self) {
-        let _ = SockRef::from(&*self.stream).shutdown(Shutdown::Both);
+        let _ = SockRef::from(self.stream.as_ref()).shutdown(Shutdown::Both);
     }
 }
 
@@ -396,7 +400,7 @@ fn write_now_many(stream: &TcpStream, frames: &[Frame]) -> io::Result<usize> {
 /// The TCP end of a link's receiving half: the socket.
 #[derive(Debug)]
 struct TcpSource {
-    stream: Arc<TcpStream>,
+    stream: OwnedReadHalf,
     peer: String,
 }
 
@@ -409,7 +413,7 @@ impl StreamSource for TcpSource {
         if buf.capacity() - buf.len() < READ_MIN_ROOM {
             buf.reserve(READ_CHUNK);
         }
-        match read_some(&self.stream, buf).await {
+        match read_some(&mut self.stream, buf).await {
             Ok(0) => Err(peer_closed(&self.peer, buf.len())),
             Ok(_) => Ok(()),
             Err(e) => Err(Error::io(format!("{}: receive", self.peer), e)),
@@ -417,16 +421,14 @@ impl StreamSource for TcpSource {
     }
 
     fn distrust(&mut self, _err: &Error) {
-        let _ = SockRef::from(&*self.stream).shutdown(Shutdown::Both);
+        let _ = SockRef::from(self.stream.as_ref()).shutdown(Shutdown::Both);
     }
 }
 
 /// Reads what the socket has into `buf`'s spare room, waiting until it has something.
-async fn read_some(stream: &TcpStream, buf: &mut BytesMut) -> io::Result<usize> {
+async fn read_some(stream: &mut OwnedReadHalf, buf: &mut BytesMut) -> io::Result<usize> {
     loop {
-        stream.readable().await?;
-        match stream.try_read_buf(buf) {
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+        match tokio::io::AsyncReadExt::read_buf(stream, buf).await {
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             result => return result,
         }
