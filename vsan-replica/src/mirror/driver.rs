@@ -190,6 +190,7 @@ impl Shared {
         cx: &mut Context<'_>,
     ) -> MutexGuard<'a, Core> {
         loop {
+            core.now = Instant::now();
             core.check_data_loss();
             let mut moved = core.drain(cx);
             moved |= core.poll_running(cx).is_ready();
@@ -327,6 +328,8 @@ pub(super) struct Core {
     pub(super) data_loss_seen: u64,
     /// When this disk started (an unproven replica is unproven since then).
     pub(super) started: SystemTime,
+    /// The time of the current turn (read once per round of it: the clock is not free).
+    pub(super) now: Instant,
     /// The deadline the driver task sleeps until (`None`: none).
     pub(super) armed: Option<Instant>,
     /// The driver task has ended: requests fail with `Closed`.
@@ -344,6 +347,11 @@ fn send_future(tx: &Arc<dyn LinkTx>, msgs: Vec<Message>) -> SendFuture {
 }
 
 /// The driver task: waits for what only it can wait for, and runs a turn after each.
+///
+/// One poll looks at every source (commands, quorum answers, the link's messages, a
+/// kick, the timer), takes all that is ready, runs one turn, and only then wakes the
+/// callers whose requests completed: so a caller woken by this task runs as soon as the
+/// task returns, with nothing of the task's between.
 pub(super) async fn run(
     shared: Arc<Shared>,
     mut commands: mpsc::UnboundedReceiver<Command>,
@@ -352,15 +360,63 @@ pub(super) async fn run(
     let _stopping = Stopping(Arc::clone(&shared));
     // Once every handle is gone, finish what is in flight, then stop.
     let mut handles_gone = false;
-    let mut rx: Option<(u64, Box<dyn LinkRx>)> = None;
-    let mut sleep: std::pin::Pin<Box<tokio::time::Sleep>> =
-        Box::pin(tokio::time::sleep_until(tokio::time::Instant::now()));
+    let mut rx: Option<Receiving> = None;
+    let kick = Arc::clone(&shared.kick);
+    let mut kicked = std::pin::pin!(kick.notify.notified());
+    let mut sleep = std::pin::pin!(tokio::time::sleep_until(tokio::time::Instant::now()));
     let mut sleeping_until: Option<Instant> = None;
     let mut wake = Vec::new();
-    loop {
-        let finished = poll_fn(|cx| {
+    poll_fn(|cx| {
+        loop {
+            let mut moved = false;
+            if !handles_gone {
+                loop {
+                    match commands.poll_recv(cx) {
+                        Poll::Ready(Some(cmd)) => shared.core.lock().command(cmd),
+                        Poll::Ready(None) => {
+                            handles_gone = true;
+                            shared.core.lock().ep.begin_shutdown(Instant::now());
+                        }
+                        Poll::Pending => break,
+                    }
+                    moved = true;
+                    if handles_gone {
+                        break;
+                    }
+                }
+            }
+            while let Poll::Ready(Some(granted)) = quorum.poll_recv(cx) {
+                shared.core.lock().ep.handle_quorum(Instant::now(), granted);
+                moved = true;
+            }
+            // Every message already here, so one turn (and one batch of frames)
+            // serves them all.
+            while let Some(r) = rx.as_mut() {
+                let Poll::Ready((half, msg)) = r.next.as_mut().poll(cx) else {
+                    break;
+                };
+                let link = r.link;
+                let current = shared.core.lock().link_message(link, msg);
+                rx = current.then(|| Receiving::new(link, half));
+                moved = true;
+            }
+            if kicked.as_mut().poll(cx).is_ready() {
+                // (The new one registers when polled, in the next round.)
+                kicked.set(kick.notify.notified());
+                moved = true;
+            }
+            if sleeping_until.is_some() && sleep.as_mut().poll(cx).is_ready() {
+                sleeping_until = None;
+                let mut core = shared.core.lock();
+                let now = Instant::now();
+                if core.ep.poll_timeout().is_some_and(|d| d <= now) {
+                    core.ep.handle_timeout(now);
+                }
+                moved = true;
+            }
             let mut core = shared.core.lock();
-            core.take_rx(&mut rx);
+            // A link a command attached: its receiving half is polled in the next round.
+            moved |= core.take_rx(&mut rx);
             let mut core = shared.turn(core, cx);
             core.take_completions(&shared.slots, &mut wake);
             let finished = (handles_gone || !core.closing.is_empty())
@@ -371,68 +427,30 @@ pub(super) async fn run(
             // more).
             let due = core.ep.poll_timeout();
             let at = match (due, sleeping_until) {
-                (Some(d), Some(s)) if s <= d && s > Instant::now() => Some(s),
+                (Some(d), Some(s)) if s <= d && s > core.now => Some(s),
                 (d, _) => d,
             };
             core.armed = at;
             drop(core);
-            wake.drain(..).for_each(Waker::wake);
             if at != sleeping_until {
                 sleeping_until = at;
                 if let Some(at) = at {
                     sleep.as_mut().reset(tokio::time::Instant::from_std(at));
+                    // Registers when polled, in the next round.
+                    moved = true;
                 }
             }
-            Poll::Ready(finished)
-        })
-        .await;
-        if finished {
-            break;
-        }
-        tokio::select! {
-            cmd = commands.recv(), if !handles_gone => {
-                let mut core = shared.core.lock();
-                match cmd {
-                    Some(cmd) => core.command(cmd),
-                    None => {
-                        handles_gone = true;
-                        core.ep.begin_shutdown(Instant::now());
-                    }
-                }
-            },
-            Some(granted) = quorum.recv() => {
-                shared.core.lock().ep.handle_quorum(Instant::now(), granted);
+            // Last: a caller woken here runs as soon as this poll returns.
+            wake.drain(..).for_each(Waker::wake);
+            if finished {
+                return Poll::Ready(());
             }
-            (link, msg) = recv(&mut rx) => shared.core.lock().link_message(link, msg, &mut rx),
-            () = shared.kick.notify.notified() => {}
-            () = poll_fn(|cx| shared.core.lock().poll_running(cx)) => {}
-            () = &mut sleep, if sleeping_until.is_some() => {
-                sleeping_until = None;
-                let mut core = shared.core.lock();
-                let now = Instant::now();
-                if core.ep.poll_timeout().is_some_and(|d| d <= now) {
-                    core.ep.handle_timeout(now);
-                }
+            if !moved {
+                return Poll::Pending;
             }
         }
-        // Take everything else that is ready too, so one turn (and one batch of
-        // frames) serves many messages and commands instead of one.
-        if !handles_gone {
-            while let Ok(cmd) = commands.try_recv() {
-                shared.core.lock().command(cmd);
-            }
-        }
-        while rx.is_some() {
-            let ready = {
-                let mut next = std::pin::pin!(recv(&mut rx));
-                poll_once(&mut next).await
-            };
-            match ready {
-                Poll::Pending => break,
-                Poll::Ready((link, msg)) => shared.core.lock().link_message(link, msg, &mut rx),
-            }
-        }
-    }
+    })
+    .await;
     let mut core = shared.core.lock();
     core.retire_link();
     let failed = core.ep.meta_failed();
@@ -493,24 +511,22 @@ impl Core {
         }
     }
 
-    /// The task's receiving half: the one attached since the last look, or none once
-    /// the link it came from is gone.
-    fn take_rx(&mut self, rx: &mut Option<(u64, Box<dyn LinkRx>)>) {
+    /// The task's receiving half: the one attached since the last look (then `true`),
+    /// or none once the link it came from is gone.
+    fn take_rx(&mut self, rx: &mut Option<Receiving>) -> bool {
         if let Some(new) = self.new_rx.take() {
-            *rx = Some((self.link_gen, new));
-        } else if rx.as_ref().is_some_and(|(g, _)| *g != self.link_gen) {
+            *rx = Some(Receiving::new(self.link_gen, new));
+            return true;
+        }
+        if rx.as_ref().is_some_and(|r| r.link != self.link_gen) {
             *rx = None;
         }
+        false
     }
 
-    /// What the task received on the link of count `link` (its receiving half `rx`,
-    /// which is swapped or dropped if the link changed since).
-    fn link_message(
-        &mut self,
-        link: u64,
-        msg: Result<Message>,
-        rx: &mut Option<(u64, Box<dyn LinkRx>)>,
-    ) {
+    /// What the task received on the link of count `link`; whether that link is still
+    /// the current one afterwards (else its receiving half is dropped).
+    fn link_message(&mut self, link: u64, msg: Result<Message>) -> bool {
         // A link dropped or replaced since counts for nothing.
         if link == self.link_gen {
             match msg {
@@ -522,7 +538,8 @@ impl Core {
                 }
             }
         }
-        self.take_rx(rx);
+        // (A link attached meanwhile is taken at the next turn.)
+        link == self.link_gen
     }
 
     /// A message from the peer (fail point `mirror::recv_ack` may drop an ack).
@@ -539,7 +556,7 @@ impl Core {
     /// takes such a result for good.
     fn local_done(&mut self, op: LocalOpId, res: LocalResult) {
         self.check_data_loss();
-        self.ep.handle_local_done(Instant::now(), op, res);
+        self.ep.handle_local_done(self.now, op, res);
     }
 
     fn command(&mut self, cmd: Command) {
@@ -757,7 +774,7 @@ impl Core {
             moved = true;
         }
         while let Poll::Ready(Some((epoch, id, res))) = self.scsi_running.poll_next_unpin(cx) {
-            self.ep.reply_scsi(Instant::now(), epoch, id, res);
+            self.ep.reply_scsi(self.now, epoch, id, res);
             moved = true;
         }
         if moved {
@@ -812,7 +829,7 @@ impl Core {
     /// Progress and status after a turn. Operator answers go out here, after the status
     /// shows their effect.
     fn publish(&mut self) {
-        let now_t = Instant::now();
+        let now_t = self.now;
         let progress = self.ep.sync_progress(now_t);
         if progress.is_some() || self.progress.lock().is_some() {
             *self.progress.lock() = progress;
@@ -880,16 +897,28 @@ impl Core {
     }
 }
 
-/// Poll `fut` once with the task's own waker.
-async fn poll_once<F: std::future::Future + Unpin>(fut: &mut F) -> Poll<F::Output> {
-    std::future::poll_fn(|cx| Poll::Ready(std::pin::Pin::new(&mut *fut).poll(cx))).await
+/// The receiving half of the task's link, waiting for the next message: the wait owns
+/// the half and lives across polls (a transport's wake-up may belong to the wait, so a
+/// wait dropped between polls could lose it), and hands the half back with the message.
+struct Receiving {
+    /// The link's count (`Core::link_gen` when it was attached).
+    link: u64,
+    next: NextMessage,
 }
 
-/// The next message on the task's link, with the link's count.
-async fn recv(rx: &mut Option<(u64, Box<dyn LinkRx>)>) -> (u64, Result<Message>) {
-    match rx {
-        Some((link, rx)) => (*link, rx.recv().await),
-        None => std::future::pending().await,
+/// A wait for the next message that owns the receiving half and hands it back.
+type NextMessage =
+    std::pin::Pin<Box<dyn std::future::Future<Output = (Box<dyn LinkRx>, Result<Message>)> + Send>>;
+
+impl Receiving {
+    fn new(link: u64, mut half: Box<dyn LinkRx>) -> Receiving {
+        Receiving {
+            link,
+            next: Box::pin(async move {
+                let msg = half.recv().await;
+                (half, msg)
+            }),
+        }
     }
 }
 

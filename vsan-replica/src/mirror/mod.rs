@@ -309,6 +309,7 @@ impl MirroredDisk {
             data_loss_base,
             data_loss_seen: data_loss_base,
             started,
+            now: Instant::now(),
             armed: None,
             stopped: false,
             runtime: handle.clone(),

@@ -179,3 +179,19 @@ fn vhost_user_keys_and_their_refusals() {
     );
     assert!(e.message.contains("is also disk[1].nbd"), "{e}");
 }
+
+#[test]
+fn worker_threads_are_one_per_disk_at_most_one_per_core_unless_set() {
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let one = Config::parse(GOOD).unwrap();
+    assert_eq!(one.worker_threads(), 1, "one disk, one worker");
+    let many_disks: String = (0..cores + 3)
+        .map(|i| format!("\n[[disk]]\nname = \"d{i}\"\nsize = \"1MiB\"\n"))
+        .collect();
+    let many = Config::parse(&format!("{GOOD}{many_disks}")).unwrap();
+    assert_eq!(many.worker_threads(), cores, "never more than the cores");
+    let set = Config::parse(&GOOD.replace("id = 1", "id = 1\nthreads = 6")).unwrap();
+    assert_eq!(set.worker_threads(), 6, "node.threads wins");
+    let none = Config::parse(&GOOD[..GOOD.find("[[disk]]").unwrap()]).unwrap();
+    assert_eq!(none.worker_threads(), 1, "a node without disks still runs");
+}
