@@ -4,6 +4,10 @@
 //! (`FileDevice`), the same writes to a `MirroredDisk` whose two replicas are files of the
 //! same kind linked over TCP loopback, and a bare TCP ping-pong carrying the same bytes
 //! (4 KiB out, a 20-byte answer back: what the mirror's Write and WriteAck frames are).
+//! Each node runs on a runtime of its own with one worker thread, as two `vsan-node`s
+//! do; the writer (a front door's connection, in effect) runs on node 1's, and the
+//! ping-pong's two ends on node 1's and node 2's, so the round trip crosses the same
+//! two threads the mirror's does.
 //! The mirror's target (issue 22) is p50 <= local p50 + ping-pong p50 + 5 us: the
 //! mirror itself adds next to nothing to the local write and one network round trip.
 
@@ -49,11 +53,14 @@ async fn writes(dev: &dyn BlockDevice, count: u32, seed: u64) -> Result<Histogra
     Ok(h)
 }
 
-/// 4 KiB out, 20 bytes back, QD1, over a loopback TCP connection; latency in ns.
-async fn ping_pong(count: u32) -> Result<Histogram<u64>, BoxError> {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+/// 4 KiB out, 20 bytes back, QD1, over a loopback TCP connection whose far end runs on
+/// `far`; latency in ns.
+async fn ping_pong(count: u32, far: tokio::runtime::Handle) -> Result<Histogram<u64>, BoxError> {
+    let listener = far
+        .spawn(async { tokio::net::TcpListener::bind("127.0.0.1:0").await })
+        .await??;
     let addr = listener.local_addr()?;
-    let server = tokio::spawn(async move {
+    let server = far.spawn(async move {
         let (mut s, _) = listener.accept().await?;
         s.set_nodelay(true)?;
         let mut buf = vec![0u8; BLOCK];
@@ -84,12 +91,34 @@ fn us(h: &Histogram<u64>, q: f64) -> f64 {
     h.value_at_quantile(q) as f64 / 1000.0
 }
 
+/// A node's runtime: one worker thread.
+fn node_runtime(name: &str) -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name(name)
+        .enable_all()
+        .build()
+}
+
 /// Run the comparison and print the table.
-pub fn run(count: u32, rounds: u32, dir: PathBuf) -> Result<(), BoxError> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
+///
+/// With `one_runtime` both nodes, the writer and both ends of the ping-pong share node 1's
+/// one thread instead.
+pub fn run(count: u32, rounds: u32, dir: PathBuf, one_runtime: bool) -> Result<(), BoxError> {
+    let node1 = node_runtime("lat-node1")?;
+    let node2 = node_runtime("lat-node2")?;
+    let near = node1.handle().clone();
+    // One runtime for both: nothing crosses threads, so the figures are CPU work only
+    // (and the two replicas' writes cannot overlap).
+    let far = if one_runtime {
+        near.clone()
+    } else {
+        node2.handle().clone()
+    };
+    let main = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    rt.block_on(async move {
+    let result = main.block_on(async move {
         std::fs::create_dir_all(&dir)?;
         let path = |n: &str| dir.join(format!("latency-{n}.img"));
         for n in ["local", "m1", "m2"] {
@@ -99,33 +128,51 @@ pub fn run(count: u32, rounds: u32, dir: PathBuf) -> Result<(), BoxError> {
         let r1: Arc<dyn BlockDevice> = Arc::new(FileOptions::new().create(SIZE).open(path("m1"))?);
         let r2: Arc<dyn BlockDevice> = Arc::new(FileOptions::new().create(SIZE).open(path("m2"))?);
         let cfg = |me, peer| Config::new(me, peer, DiskId::from_name("lat"), "lat", SIZE, 512);
-        let m1 = MirroredDisk::start(cfg(1, 2), Replica::with_memory_meta(&cfg(1, 2), r1).await?, None)?;
-        let m2 = MirroredDisk::start(cfg(2, 1), Replica::with_memory_meta(&cfg(2, 1), r2).await?, None)?;
+        let start = |rt: &tokio::runtime::Handle, me: u32, peer: u32, data: Arc<dyn BlockDevice>| {
+            rt.spawn(async move {
+                let replica = Replica::with_memory_meta(&cfg(me, peer), data).await?;
+                MirroredDisk::start(cfg(me, peer), replica, None)
+            })
+        };
+        let m1 = start(&near, 1, 2, r1).await??;
+        let m2 = start(&far, 2, 1, r2).await??;
         let transport: Arc<dyn Transport> = Arc::new(TcpTransport::new());
-        let listener = transport.listen("127.0.0.1:0").await?;
+        let t = Arc::clone(&transport);
+        let listener = far.spawn(async move { t.listen("127.0.0.1:0").await }).await??;
         let addr = listener.local_addr();
-        let acc = tokio::spawn(accept_loop(listener, HashMap::from([("lat".to_string(), m2.clone())])));
-        let dial = tokio::spawn(dial_loop(Arc::clone(&transport), addr, m1.clone()));
+        let acc = far.spawn(accept_loop(listener, HashMap::from([("lat".to_string(), m2.clone())])));
+        let dial = near.spawn(dial_loop(Arc::clone(&transport), addr, m1.clone()));
         let mut st = m1.watch_status();
         tokio::time::timeout(Duration::from_secs(10), st.wait_for(|s| s.link == LinkState::Connected && !s.syncing && s.dirty_chunks == 0)).await??;
 
         let (mut hl, mut hm, mut hr) = (hist()?, hist()?, hist()?);
+        // CPU seconds of both nodes' threads, per measurement.
+        let mut cpu = [0.0f64; 3];
+        let threads = || crate::cpu::threads_seconds("lat-node");
         for round in 0..rounds {
-            // Each measurement runs as a task on the runtime's workers, as a front door's
-            // connection task does (not on the thread that blocks on the runtime).
             let l = local.clone();
-            hl.add(tokio::spawn(async move { writes(l.as_ref(), count, round.into()).await }).await??)?;
+            let t = threads()?;
+            hl.add(near.spawn(async move { writes(l.as_ref(), count, round.into()).await }).await??)?;
+            cpu[0] += threads()? - t;
             let m = m1.clone();
-            hm.add(tokio::spawn(async move { writes(&m, count, round.into()).await }).await??)?;
-            hr.add(tokio::spawn(ping_pong(count)).await??)?;
+            let t = threads()?;
+            hm.add(near.spawn(async move { writes(&m, count, round.into()).await }).await??)?;
+            cpu[1] += threads()? - t;
+            let t = threads()?;
+            hr.add(near.spawn(ping_pong(count, far.clone())).await??)?;
+            cpu[2] += threads()? - t;
         }
+        let per_op = |c: f64| c * 1e6 / f64::from(count * rounds);
         dial.abort();
         acc.abort();
-        println!("QD1 4 KiB writes, {count} per round, {rounds} rounds alternating (us):");
-        println!("| path | p50 | p99 | mean |");
-        println!("|---|---:|---:|---:|");
-        for (name, h) in [("local file (FileDevice)", &hl), ("MirroredDisk over TCP loopback", &hm), ("TCP ping-pong 4 KiB / 20 B", &hr)] {
-            println!("| {name} | {:.1} | {:.1} | {:.1} |", us(h, 0.5), us(h, 0.99), h.mean() / 1000.0);
+        println!(
+            "QD1 4 KiB writes, {count} per round, {rounds} rounds alternating (us), {}:",
+            if one_runtime { "both nodes on one thread" } else { "each node on a thread of its own" }
+        );
+        println!("| path | p50 | p99 | mean | CPU per op (both threads) |");
+        println!("|---|---:|---:|---:|---:|");
+        for (name, h, c) in [("local file (FileDevice)", &hl, cpu[0]), ("MirroredDisk over TCP loopback", &hm, cpu[1]), ("TCP ping-pong 4 KiB / 20 B", &hr, cpu[2])] {
+            println!("| {name} | {:.1} | {:.1} | {:.1} | {:.1} |", us(h, 0.5), us(h, 0.99), h.mean() / 1000.0, per_op(c));
         }
         let budget = us(&hl, 0.5) + us(&hr, 0.5) + 5.0;
         let got = us(&hm, 0.5);
@@ -137,6 +184,9 @@ pub fn run(count: u32, rounds: u32, dir: PathBuf) -> Result<(), BoxError> {
         for n in ["local", "m1", "m2"] {
             let _ = std::fs::remove_file(path(n));
         }
-        Ok(())
-    })
+        Ok::<(), BoxError>(())
+    });
+    node1.shutdown_timeout(Duration::from_secs(5));
+    node2.shutdown_timeout(Duration::from_secs(5));
+    result
 }

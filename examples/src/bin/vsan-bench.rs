@@ -200,6 +200,10 @@ enum Cmd {
         /// Work directory (default: target/vsan-bench).
         #[arg(long)]
         work_dir: Option<PathBuf>,
+        /// Both nodes, the writer and the ping-pong on one thread (CPU work only; the two
+        /// replicas' writes cannot overlap), instead of a thread per node.
+        #[arg(long)]
+        one_runtime: bool,
     },
     /// Resync throughput against a plain copy of the same bytes between the same files,
     /// and application 4 KiB randwrite IOPS during a dynamic-rate resync against in sync.
@@ -380,8 +384,14 @@ fn main() -> ExitCode {
             count,
             rounds,
             work_dir,
-        } => latency::run(count, rounds, work_dir.unwrap_or_else(default_dir))
-            .map_err(|e| -> BoxError { e.to_string().into() }),
+            one_runtime,
+        } => latency::run(
+            count,
+            rounds,
+            work_dir.unwrap_or_else(default_dir),
+            one_runtime,
+        )
+        .map_err(|e| -> BoxError { e.to_string().into() }),
         Cmd::Resync {
             size_mib,
             dirty_mib,
