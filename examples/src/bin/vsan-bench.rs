@@ -9,8 +9,10 @@
 //! completion latency, the CPU time (user + system, from `/proc/<pid>/stat`) of every
 //! server process per completed I/O (both nodes summed for a mirror), and each server's
 //! ratio to nbdkit. With `--mirror` it measures a mirrored pair beside a single
-//! `vsan-node` and nbdkit. A server whose program is not installed is reported as
-//! missing, not silently dropped.
+//! `vsan-node` and nbdkit, and with `--demo` also runs `vsan-demo` once per round and
+//! sets its headline beside fio's mirrored figures of the same round. `--only` and
+//! `--workloads` narrow a run (for profiling one server). A server whose program is not
+//! installed is reported as missing, not silently dropped.
 
 use std::io::Write;
 use std::os::unix::fs::MetadataExt;

@@ -508,6 +508,20 @@ impl<'a> Conn<'a> {
                     self.last_rx = Instant::now();
                     self.ping = None;
                     self.decode_all(dec, inbuf)?;
+                    // Start the commands these PDUs carried together, under one plug: a
+                    // device that batches (a mirror) carries them out with one send.
+                    let done = std::future::poll_fn(|cx| {
+                        let _plug = crate::plug::Plug::new();
+                        let mut done = Vec::new();
+                        while let std::task::Poll::Ready(Some(d)) = self.running.poll_next_unpin(cx) {
+                            done.push(d);
+                        }
+                        std::task::Poll::Ready(done)
+                    })
+                    .await;
+                    for (itt, resp) in done {
+                        self.complete(itt, resp);
+                    }
                     if inbuf.capacity() - inbuf.len() < 4096 {
                         inbuf.reserve(READ_CHUNK);
                     }

@@ -436,6 +436,15 @@ impl ConnInner {
         let mut done = Vec::new();
         {
             let mut work = q.work.lock();
+            {
+                // Requests popped together start together: a device that batches (a
+                // mirror) carries them out at the unplug, with one send for all.
+                let _plug = crate::plug::Plug::new();
+                while let Poll::Ready(Some(d)) = Pin::new(&mut *work).poll_next(&mut cx) {
+                    done.push(d);
+                }
+            }
+            // What the unplug completed.
             while let Poll::Ready(Some(d)) = Pin::new(&mut *work).poll_next(&mut cx) {
                 done.push(d);
             }
