@@ -11,7 +11,7 @@
 //!
 //! Then the headline: 4 KiB random writes with 32 in flight on one connection to node 1,
 //! then 4 KiB random reads the same way from node 2 (each checked against what was
-//! acknowledged), from a lean client ([`nbd_load`](vsan_examples::nbd_load)) on a
+//! acknowledged), from a lean client ([`nbd_load`]) on a
 //! runtime of its own, so the nodes and not the client set the pace: IOPS, p50/p99
 //! latency and the nodes' CPU time per I/O (both nodes' threads, from
 //! `/proc/self/task`). `vsan-bench nbd --mirror --demo` runs this beside fio.
