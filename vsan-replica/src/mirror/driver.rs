@@ -392,12 +392,12 @@ pub(super) async fn run(
             // Every message already here, so one turn (and one batch of frames)
             // serves them all.
             while let Some(r) = rx.as_mut() {
-                let Poll::Ready((half, msg)) = r.next.as_mut().poll(cx) else {
+                let Poll::Ready(Some(msg)) = r.messages.as_mut().poll_next(cx) else {
                     break;
                 };
-                let link = r.link;
-                let current = shared.core.lock().link_message(link, msg);
-                rx = current.then(|| Receiving::new(link, half));
+                if !shared.core.lock().link_message(r.link, msg) {
+                    rx = None;
+                }
                 moved = true;
             }
             if kicked.as_mut().poll(cx).is_ready() {
@@ -897,27 +897,26 @@ impl Core {
     }
 }
 
-/// The receiving half of the task's link, waiting for the next message: the wait owns
-/// the half and lives across polls (a transport's wake-up may belong to the wait, so a
-/// wait dropped between polls could lose it), and hands the half back with the message.
+/// The receiving half of the task's link as a stream of its messages: it owns the half
+/// and lives across polls (a transport's wake-up may belong to the wait for the next
+/// message, so a wait dropped between polls could lose it).
 struct Receiving {
     /// The link's count (`Core::link_gen` when it was attached).
     link: u64,
-    next: NextMessage,
+    messages: Messages,
 }
 
-/// A wait for the next message that owns the receiving half and hands it back.
-type NextMessage =
-    std::pin::Pin<Box<dyn std::future::Future<Output = (Box<dyn LinkRx>, Result<Message>)> + Send>>;
+/// A link's messages, read one after another from its receiving half.
+type Messages = std::pin::Pin<Box<dyn futures_util::Stream<Item = Result<Message>> + Send>>;
 
 impl Receiving {
-    fn new(link: u64, mut half: Box<dyn LinkRx>) -> Receiving {
+    fn new(link: u64, half: Box<dyn LinkRx>) -> Receiving {
         Receiving {
             link,
-            next: Box::pin(async move {
+            messages: Box::pin(futures_util::stream::unfold(half, |mut half| async move {
                 let msg = half.recv().await;
-                (half, msg)
-            }),
+                Some((msg, half))
+            })),
         }
     }
 }

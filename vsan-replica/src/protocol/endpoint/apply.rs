@@ -203,7 +203,9 @@ impl Endpoint {
     pub(super) fn start_ready(&mut self, now: Instant) {
         let mut i = 0;
         while i < self.apply.len() {
-            self.try_start_apply(i);
+            if !self.apply[i].started {
+                self.try_start_apply(i);
+            }
             i += 1;
         }
         if self.holds_writes() || !self.is_current() {
@@ -365,7 +367,9 @@ impl Endpoint {
         match purpose {
             OpPurpose::Meta => {}
             OpPurpose::Apply(id) => {
-                let Some(i) = self.apply.iter().position(|a| a.id == id) else {
+                // Entries are pushed with growing ids and only ever removed, so the
+                // list stays sorted by id.
+                let Ok(i) = self.apply.binary_search_by_key(&id, |a| a.id) else {
                     return;
                 };
                 let entry = &mut self.apply[i];
