@@ -183,8 +183,7 @@ impl Endpoint {
             }
         }
         if self.apply[i].extents.is_none() {
-            let ranges = self.apply[i].ranges.clone();
-            match self.journal.al_acquire(&ranges) {
+            match self.journal.al_acquire(&self.apply[i].ranges) {
                 Some((extents, gate)) => {
                     let a = &mut self.apply[i];
                     a.extents = Some(extents);

@@ -22,7 +22,7 @@
 //! Generation ids (of the data, not of the journal) are made here too: a node that goes
 //! on without its peer moves to a new one, and a finished resync retires the old one.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -33,6 +33,7 @@ use super::{Endpoint, Event, Lifecycle, LinkState, LocalIo, LocalResult, OpPurpo
 use crate::meta::{
     AL_EXTENT_SIZE, AL_SLOTS, Bitmap, Layout, Loaded, META_BLOCK, Superblock, encode_al,
 };
+use crate::protocol::fastmap::FastMap;
 use crate::protocol::message::{GEN_JUST_CREATED, Generations, Message, Status};
 use crate::protocol::ranges::Range;
 
@@ -83,7 +84,7 @@ pub(super) struct Journal {
     layout: Layout,
     sb: Superblock,
     al_seq: u64,
-    al: HashMap<u64, AlSlot>,
+    al: FastMap<u64, AlSlot>,
     tick: u64,
     bitmap: Bitmap,
     dirty_sb: bool,
