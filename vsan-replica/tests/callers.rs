@@ -37,13 +37,21 @@ fn mem() -> Arc<MemDevice> {
 
 /// Nodes 1 and 2 over `m1` and `m2`, linked and in sync (both replicas zero).
 async fn pair(m1: &Arc<MemDevice>, m2: &Arc<MemDevice>) -> (MirroredDisk, MirroredDisk) {
+    pair_on(Arc::clone(m1) as _, Arc::clone(m2) as _).await
+}
+
+/// As [`pair`], over any two data devices.
+async fn pair_on(
+    m1: Arc<dyn BlockDevice>,
+    m2: Arc<dyn BlockDevice>,
+) -> (MirroredDisk, MirroredDisk) {
     let cfg = |me| Config::new(me, 3 - me, DiskId([0x3c; 16]), "vol0", SIZE, BS);
-    let start = |me, data: Arc<MemDevice>| async move {
+    let start = |me, data: Arc<dyn BlockDevice>| async move {
         let replica = Replica::with_memory_meta(&cfg(me), data).await.unwrap();
         MirroredDisk::start(cfg(me), replica, None).unwrap()
     };
-    let d1 = start(1, Arc::clone(m1)).await;
-    let d2 = start(2, Arc::clone(m2)).await;
+    let d1 = start(1, m1).await;
+    let d2 = start(2, m2).await;
     let transport = Arc::new(TcpTransport::new());
     let listener = transport.listen("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr();
@@ -209,4 +217,158 @@ async fn a_stopped_mirror_fails_new_requests_at_once() {
         peek(&m1, 0).iter().all(|&b| b == 0),
         "a write after close landed"
     );
+}
+
+/// Aborts the test process (failing it) unless the guard is dropped, not by a panic,
+/// within twice `WAIT`: a test that failed on a deadlocked runtime would otherwise hang
+/// in the runtime's shutdown instead of failing.
+struct Watchdog(std::sync::mpsc::Sender<()>);
+
+fn watchdog(what: &'static str) -> Watchdog {
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let start = std::time::Instant::now();
+    std::thread::spawn(move || {
+        if rx.recv_timeout(WAIT * 2).is_ok() {
+            return;
+        }
+        // Timed out, or the test panicked (the guard went without a word): give its
+        // runtime the rest of the time to shut down, then end the process.
+        std::thread::sleep((WAIT * 2).saturating_sub(start.elapsed()));
+        eprintln!("{what}: still not done after {:?}: deadlock", WAIT * 2);
+        // Not `exit`: its at-exit work can wait on what the deadlock holds.
+        std::process::abort();
+    });
+    Watchdog(tx)
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            let _ = self.0.send(());
+        }
+    }
+}
+
+/// A SCSI handler that writes and flushes its own mirror while it answers the peer's
+/// call, as vsan-ffi's handler does when a reservation changes while the link is away.
+struct WritingHandler(MirroredDisk);
+
+impl vsan_replica::ScsiHandler for WritingHandler {
+    fn call(&self, body: Bytes) -> vsan_replica::ScsiFuture {
+        let disk = self.0.clone();
+        Box::pin(async move {
+            disk.write(0, block(9), IoFlags::FUA)
+                .await
+                .map_err(|e| e.kind())?;
+            disk.flush().await.map_err(|e| e.kind())?;
+            Ok(body)
+        })
+    }
+}
+
+/// The handler's future is not polled inside a turn (which holds the lock its own
+/// requests take): the call is answered and the handler's write is on both replicas.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scsi_handler_may_do_io_on_its_own_mirror() {
+    let _dog = watchdog("a SCSI call whose handler writes and flushes its own mirror");
+    let (m1, m2) = (mem(), mem());
+    let (d1, d2) = pair(&m1, &m2).await;
+    let handler: Arc<dyn vsan_replica::ScsiHandler> = Arc::new(WritingHandler(d2.clone()));
+    d2.set_scsi_handler(Arc::downgrade(&handler));
+    let answer = within(
+        "a SCSI call whose handler does I/O",
+        d1.scsi_call(Bytes::from_static(b"call")),
+    )
+    .await
+    .unwrap();
+    assert_eq!(&answer[..], b"call");
+    assert_eq!(
+        peek(&m1, 0),
+        block(9),
+        "the handler's write is not on node 1"
+    );
+    assert_eq!(
+        peek(&m2, 0),
+        block(9),
+        "the handler's write is not on node 2"
+    );
+    within("close node 2", d2.close()).await.unwrap();
+    within("close node 1", d1.close()).await.unwrap();
+}
+
+/// A data device whose first write at `PANIC_AT` panics (a device bug).
+struct PanickingDevice {
+    inner: Arc<MemDevice>,
+    armed: std::sync::atomic::AtomicBool,
+}
+
+const PANIC_AT: u64 = 5 * BLOCK as u64;
+
+impl BlockDevice for PanickingDevice {
+    fn geometry(&self) -> Geometry {
+        self.inner.geometry()
+    }
+    fn read(&self, offset: u64, len: usize) -> vsan_core::IoFuture<'_, Bytes> {
+        self.inner.read(offset, len)
+    }
+    fn write(&self, offset: u64, data: Bytes, flags: IoFlags) -> vsan_core::IoFuture<'_, ()> {
+        if offset == PANIC_AT && self.armed.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            return Box::pin(async { panic!("a device bug") });
+        }
+        self.inner.write(offset, data, flags)
+    }
+    fn flush(&self) -> vsan_core::IoFuture<'_, ()> {
+        self.inner.flush()
+    }
+    fn discard(&self, offset: u64, len: u64, flags: IoFlags) -> vsan_core::IoFuture<'_, ()> {
+        self.inner.discard(offset, len, flags)
+    }
+    fn write_zeroes(&self, offset: u64, len: u64, flags: IoFlags) -> vsan_core::IoFuture<'_, ()> {
+        self.inner.write_zeroes(offset, len, flags)
+    }
+}
+
+/// A local I/O that panics in the device, polled in whichever caller's turn, fails as
+/// an I/O error (the replica is detached and I/O goes through the peer) and strands no
+/// other request: the write completes on the peer, later writes to the same block and
+/// reads see the newest data, and the mirror closes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_that_panics_fails_its_io_and_strands_no_request() {
+    let _dog = watchdog("requests after a device panicked");
+    let (m1, m2) = (mem(), mem());
+    let dev1 = Arc::new(PanickingDevice {
+        inner: Arc::clone(&m1),
+        armed: true.into(),
+    });
+    let (d1, d2) = pair_on(dev1, Arc::clone(&m2) as _).await;
+    // Several writes started under one plug, so the panicking one shares its turn (run
+    // by this task at the unplug) with others.
+    let mut writes: Vec<_> = (3..8)
+        .map(|i| d1.write(i * BLOCK as u64, block(i), IoFlags::empty()))
+        .collect();
+    {
+        let _plug = Plug::new();
+        let mut cx = Context::from_waker(Waker::noop());
+        for w in &mut writes {
+            let _ = w.as_mut().poll(&mut cx);
+        }
+    }
+    for (i, w) in (3..8).zip(writes) {
+        within("a write of the batch", w).await.unwrap();
+        assert_eq!(peek(&m2, i), block(i), "block {i} is not on node 2");
+    }
+    within(
+        "a write to the block whose write panicked",
+        d1.write(PANIC_AT, block(20), IoFlags::FUA),
+    )
+    .await
+    .unwrap();
+    let read = within("a read of it", d1.read(PANIC_AT, BLOCK))
+        .await
+        .unwrap();
+    assert_eq!(read, block(20));
+    assert_eq!(peek(&m2, 5), block(20));
+    within("a flush", d1.flush()).await.unwrap();
+    within("close node 1", d1.close()).await.unwrap();
+    within("close node 2", d2.close()).await.unwrap();
 }

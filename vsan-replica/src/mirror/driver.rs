@@ -44,7 +44,7 @@ use futures_util::FutureExt;
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use parking_lot::{Mutex, MutexGuard};
 use tokio::sync::{Notify, mpsc, oneshot, watch};
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 use vsan_core::{BlockDevice, Error, ErrorKind, IoFlags, Result};
 
 use super::slots::Slots;
@@ -61,13 +61,8 @@ use crate::transport::{LinkRx, LinkTx};
 type LocalFuture =
     std::pin::Pin<Box<dyn std::future::Future<Output = (LocalOpId, LocalResult)> + Send>>;
 
-/// A SCSI call of the peer's being handled: (link epoch, the peer's id, the answer).
-type ScsiRunning = std::pin::Pin<
-    Box<
-        dyn std::future::Future<Output = (u64, u64, std::result::Result<bytes::Bytes, ErrorKind>)>
-            + Send,
-    >,
->;
+/// A SCSI call of the peer's, answered: (link epoch, the peer's id, the answer).
+type ScsiAnswer = (u64, u64, std::result::Result<bytes::Bytes, ErrorKind>);
 
 type SendFuture = std::pin::Pin<Box<dyn std::future::Future<Output = Result<()>> + Send>>;
 
@@ -319,8 +314,11 @@ pub(super) struct Core {
     pub(super) finished: Vec<(LocalOpId, LocalResult)>,
     /// The SCSI handler (see [`super::MirroredDisk::set_scsi_handler`]).
     pub(super) scsi: super::ScsiSlot,
-    /// The peer's SCSI calls being handled.
-    pub(super) scsi_running: FuturesUnordered<ScsiRunning>,
+    /// The peer's SCSI calls being handled, each a task of its own on the mirror's
+    /// runtime: a handler may do I/O on this very mirror (a flush after a reservation
+    /// changed alone), which takes the lock a turn holds, so its future is never
+    /// polled inside a turn. Dropping the set aborts them.
+    pub(super) scsi_running: tokio::task::JoinSet<ScsiAnswer>,
     pub(super) last_problem: Option<String>,
     /// The local replica's `data_loss_count` when the driver started, and when it last
     /// looked.
@@ -742,18 +740,24 @@ impl Core {
             }
             Event::ScsiRequest { epoch, id, body } => {
                 let handler = self.scsi.read().as_ref().and_then(std::sync::Weak::upgrade);
-                let fut: ScsiRunning = match handler {
-                    Some(h) => {
-                        let call = h.call(body);
-                        Box::pin(async move { (epoch, id, call.await) })
-                    }
-                    None => Box::pin(std::future::ready((
-                        epoch,
-                        id,
-                        Err(ErrorKind::NotSupported),
-                    ))),
+                let Some(h) = handler else {
+                    self.ep
+                        .reply_scsi(self.now, epoch, id, Err(ErrorKind::NotSupported));
+                    return;
                 };
-                self.scsi_running.push(fut);
+                // Started here, in link order; run as a task of its own.
+                let call = std::panic::AssertUnwindSafe(h.call(body));
+                let name = Arc::clone(&self.name);
+                self.scsi_running.spawn_on(
+                    async move {
+                        let answer = call.catch_unwind().await.unwrap_or_else(|_| {
+                            error!(disk = %name, "the SCSI handler panicked on a call of the peer's");
+                            Err(ErrorKind::Io)
+                        });
+                        (epoch, id, answer)
+                    },
+                    &self.runtime,
+                );
             }
         }
     }
@@ -773,8 +777,12 @@ impl Core {
             self.sent(r);
             moved = true;
         }
-        while let Poll::Ready(Some((epoch, id, res))) = self.scsi_running.poll_next_unpin(cx) {
-            self.ep.reply_scsi(self.now, epoch, id, res);
+        while let Poll::Ready(Some(done)) = self.scsi_running.poll_join_next(cx) {
+            // A task of the set ends only by answering (a panic is caught inside it) or
+            // by being aborted, which only dropping the set does.
+            if let Ok((epoch, id, res)) = done {
+                self.ep.reply_scsi(self.now, epoch, id, res);
+            }
             moved = true;
         }
         if moved {
@@ -806,6 +814,7 @@ impl Core {
                     continue;
                 }
                 self.fresh.push(run_local(
+                    Arc::clone(&self.name),
                     Arc::clone(&self.local),
                     Arc::clone(&self.meta),
                     io,
@@ -921,8 +930,37 @@ impl Receiving {
     }
 }
 
-fn run_local(dev: Arc<dyn BlockDevice>, meta: Arc<dyn BlockDevice>, io: LocalIo) -> LocalFuture {
+/// The local I/O `io` as a future. A device that panics fails that I/O with
+/// `ErrorKind::Io` (the endpoint detaches the replica, as for any I/O error) instead of
+/// unwinding through whichever caller's turn polled it, which would lose the turn's
+/// other I/O and leave their requests waiting.
+fn run_local(
+    disk: Arc<str>,
+    dev: Arc<dyn BlockDevice>,
+    meta: Arc<dyn BlockDevice>,
+    io: LocalIo,
+) -> LocalFuture {
+    let op = match &io {
+        LocalIo::Write { op, .. }
+        | LocalIo::Flush { op }
+        | LocalIo::Read { op, .. }
+        | LocalIo::Meta { op, .. } => *op,
+    };
+    let fut = std::panic::AssertUnwindSafe(local_io(dev, meta, io));
     Box::pin(async move {
+        fut.catch_unwind().await.unwrap_or_else(|_| {
+            error!(disk = %disk, "a local I/O panicked in the device: failed as an I/O error");
+            (op, Err(ErrorKind::Io))
+        })
+    })
+}
+
+async fn local_io(
+    dev: Arc<dyn BlockDevice>,
+    meta: Arc<dyn BlockDevice>,
+    io: LocalIo,
+) -> (LocalOpId, LocalResult) {
+    {
         let kind = |e: Error| e.kind();
         match io {
             LocalIo::Write {
@@ -971,5 +1009,5 @@ fn run_local(dev: Arc<dyn BlockDevice>, meta: Arc<dyn BlockDevice>, io: LocalIo)
                 (op, r.map(|()| None).map_err(kind))
             }
         }
-    })
+    }
 }

@@ -304,7 +304,7 @@ impl MirroredDisk {
             fresh: Vec::new(),
             finished: Vec::new(),
             scsi: Arc::clone(&scsi),
-            scsi_running: FuturesUnordered::new(),
+            scsi_running: tokio::task::JoinSet::new(),
             last_problem: None,
             data_loss_base,
             data_loss_seen: data_loss_base,
