@@ -185,6 +185,12 @@ impl Shared {
         cx: &mut Context<'_>,
     ) -> MutexGuard<'a, Core> {
         loop {
+            if core.stopped {
+                // The driver stopped (its runtime shut down) while this caller's turn
+                // ran local I/O with the lock released: nothing more is carried out.
+                core.completed.clear();
+                return core;
+            }
             core.now = Instant::now();
             core.check_data_loss();
             let mut moved = core.drain(cx);
@@ -206,10 +212,14 @@ impl Shared {
                     Poll::Pending => true,
                 });
             });
-            core.running.extend(fresh.drain(..));
-            for (op, res) in finished.drain(..) {
-                core.local_done(op, res);
+            if !core.stopped {
+                core.running.extend(fresh.drain(..));
+                for (op, res) in finished.drain(..) {
+                    core.local_done(op, res);
+                }
             }
+            fresh.clear();
+            finished.clear();
             core.fresh = fresh;
             core.finished = finished;
         }

@@ -38,9 +38,14 @@ impl Slots {
     }
 
     /// Fill the slot of `req` with its result; the waker to wake (after the lock is
-    /// released), or `None` when nobody waits (the caller gave up on the request).
+    /// released), or `None` when nobody waits (the caller gave up on the request) or
+    /// the slot already holds a result (`Closed`, the mirror stopped first: the caller
+    /// is told that, not a later outcome).
     pub(super) fn fill(&mut self, req: RequestId, result: LocalResult) -> Option<Waker> {
         let slot = self.open.get_mut(&req)?;
+        if slot.result.is_some() {
+            return None;
+        }
         slot.result = Some(result);
         slot.waker.take()
     }
@@ -129,6 +134,9 @@ mod tests {
         let mut wake = Vec::new();
         slots.fail_all(ErrorKind::Closed, &mut wake);
         assert_eq!(wake.len(), 2);
+        // A turn that was running when the mirror stopped finishes later: its outcome
+        // does not replace what the caller was told.
+        assert!(slots.fill(RequestId(1), Ok(None)).is_none());
         for r in [1, 2] {
             assert_eq!(
                 slots.take(RequestId(r), &waker),
