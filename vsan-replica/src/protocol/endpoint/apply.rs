@@ -108,8 +108,8 @@ pub(super) fn slice_payload(payload: &WritePayload, offset: u64, piece: Range) -
 
 impl Endpoint {
     pub(super) fn overlaps_apply(&self, ranges: &[Range], before: usize) -> bool {
-        self.apply[..before]
-            .iter()
+        self.apply
+            .range(..before)
             .any(|a| any_overlap(&a.ranges, ranges))
     }
 
@@ -132,7 +132,7 @@ impl Endpoint {
         } else {
             Some(Vec::new())
         };
-        self.apply.push(Apply {
+        self.apply.push_back(Apply {
             id,
             epoch: self.link_epoch,
             kind,
@@ -153,11 +153,12 @@ impl Endpoint {
 
     /// Start apply entry `i` if nothing earlier overlaps it and its metadata is durable.
     pub(super) fn try_start_apply(&mut self, i: usize) {
-        let (before, rest) = self.apply.split_at(i);
-        if rest[0].started
-            || before
-                .iter()
-                .any(|a| any_overlap(&a.ranges, &rest[0].ranges))
+        let me = &self.apply[i];
+        if me.started
+            || self
+                .apply
+                .range(..i)
+                .any(|a| any_overlap(&a.ranges, &me.ranges))
         {
             return;
         }
@@ -382,7 +383,11 @@ impl Endpoint {
                 if entry.running_ops > 0 {
                     return;
                 }
-                let entry = self.apply.remove(i);
+                // (Local writes usually finish in order: `i` is mostly 0, which a
+                // VecDeque removes without moving the others.)
+                let Some(entry) = self.apply.remove(i) else {
+                    return;
+                };
                 if let Some(extents) = &entry.extents {
                     self.journal.al_release(extents);
                 }

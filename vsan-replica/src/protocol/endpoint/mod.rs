@@ -168,7 +168,7 @@ pub struct Endpoint {
     // ----- local I/O in order (apply.rs) -----
     /// Peer writes being applied, by (link epoch, the peer's id).
     peer_writes: FastMap<(u64, u64), PeerWrite>,
-    apply: Vec<Apply>,
+    apply: VecDeque<Apply>,
     next_apply: u64,
     ops: FastMap<LocalOpId, OpPurpose>,
     next_op: u64,
@@ -232,7 +232,7 @@ impl Endpoint {
             held_reads: VecDeque::new(),
             last_app_io: now,
             peer_writes: FastMap::default(),
-            apply: Vec::new(),
+            apply: VecDeque::new(),
             next_apply: 1,
             ops: FastMap::default(),
             next_op: 1,
