@@ -25,6 +25,7 @@ mod mirror_nodes;
 mod node_config;
 mod replication_garbage;
 mod resync_nodes;
+mod scaling;
 mod split_brain;
 mod transports;
 mod vhost_guest;

@@ -73,6 +73,40 @@ struct NbdArgs {
     demo: bool,
 }
 
+/// Options of `vsan-bench scaling`.
+#[derive(clap::Args, Debug)]
+struct ScalingArgs {
+    /// Cores per server process at each point (each vsan-node gets `node.threads` of
+    /// that many workers, pinned to a set of that many cores; the client gets as many
+    /// cores again where the machine has them, and shares the nodes' otherwise).
+    #[arg(long, value_delimiter = ',', default_values_t = [1, 2, 4, 8, 16])]
+    cores: Vec<usize>,
+    /// Seconds per measurement.
+    #[arg(long, default_value_t = 5.0)]
+    seconds: f64,
+    /// Requests in flight per client connection.
+    #[arg(long, default_value_t = 32)]
+    depth: usize,
+    /// Client connections per server core.
+    #[arg(long, default_value_t = 2)]
+    connections_per_core: usize,
+    /// Size of the exported disk in MiB.
+    #[arg(long, default_value_t = 256)]
+    size_mib: u64,
+    /// Work directory (default: target/vsan-bench).
+    #[arg(long)]
+    work_dir: Option<PathBuf>,
+    /// Path of vsan-node (default: next to this binary).
+    #[arg(long)]
+    vsan_node: Option<PathBuf>,
+    /// Only these servers (single, mirror).
+    #[arg(long)]
+    only: Vec<String>,
+    /// Only these workloads (randwrite, randread).
+    #[arg(long)]
+    workloads: Vec<String>,
+}
+
 /// Options of `vsan-bench vhost`.
 #[derive(clap::Args, Debug)]
 struct VhostArgs {
@@ -182,6 +216,11 @@ enum Cmd {
     },
     /// fio 4K randread/randwrite over NBD: vsan-node vs nbdkit vs qemu-nbd.
     Nbd(NbdArgs),
+    /// How IOPS and CPU per I/O scale with cores: a single vsan-node and a mirrored pair,
+    /// each node on a core set of its own, driven over NBD by this program's own client
+    /// on cores of its own (needs no fio: for a machine with many cores and nothing
+    /// installed).
+    Scaling(ScalingArgs),
     /// 4 KiB random READ(16) (iscsi-perf) and 4 KiB writes (qemu-img bench) at depth 32
     /// over iSCSI: vsan-node vs tgtd on the same kind of file, and vsan-node's NBD export
     /// of the same disk (fio nbd engine).
@@ -359,6 +398,7 @@ fn main() -> ExitCode {
         )
         .map_err(|e| -> BoxError { e.to_string().into() }),
         Cmd::Nbd(args) => nbd_bench(args),
+        Cmd::Scaling(args) => scaling_bench(args),
         Cmd::Vhost(a) => vsan_examples::vhost_bench::run(vsan_examples::vhost_bench::Opts {
             seconds: a.seconds,
             rounds: a.rounds,
@@ -456,6 +496,225 @@ fn main() -> ExitCode {
     }
 }
 
+/// What the scaling bench's client runs at one point.
+#[derive(Debug, Clone, Copy)]
+struct ClientLoad {
+    connections: usize,
+    /// Requests in flight per connection.
+    depth: usize,
+    seconds: f64,
+    writes: bool,
+    /// Blocks of the disk.
+    blocks: u64,
+}
+
+/// One point of the scaling curve.
+#[derive(Debug, Clone, Copy)]
+struct ScalePoint {
+    iops: f64,
+    /// The server processes' CPU (user + system) per completed I/O, microseconds.
+    cpu_us: f64,
+    p50_us: u64,
+    p99_us: u64,
+}
+
+/// Drive `sock` with `load.connections` NBD clients ([`vsan_examples::nbd_load`]) of
+/// `load.depth` requests in flight each for `load.seconds`, on a runtime of one worker
+/// per core of `client_cpus`, pinned there; `server`'s CPU is read over the same window.
+/// Reads are checked against what was written (nothing: a fresh disk reads as zeroes).
+fn scale_load(
+    sock: &Path,
+    server: &Running,
+    client_cpus: &[usize],
+    load: ClientLoad,
+) -> Result<ScalePoint, BoxError> {
+    use vsan_examples::nbd_load;
+    let ClientLoad {
+        connections,
+        depth,
+        seconds,
+        writes,
+        blocks,
+    } = load;
+    let mut set = rustix::thread::CpuSet::new();
+    for &c in client_cpus {
+        set.set(c);
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(client_cpus.len().max(1))
+        .on_thread_start(move || {
+            // (Unpinned, the client still runs; the table says where it ran.)
+            let _ = rustix::thread::sched_setaffinity(None, &set);
+        })
+        .enable_all()
+        .build()?;
+    let log = std::sync::Arc::new(vsan_examples::pattern::BlockLog::new(blocks));
+    rt.block_on(async {
+        let mut streams = Vec::with_capacity(connections);
+        for _ in 0..connections {
+            streams.push(tokio::net::UnixStream::connect(sock).await?);
+        }
+        let cpu0 = server.cpu()?;
+        let t0 = Instant::now();
+        let mut tasks = tokio::task::JoinSet::new();
+        for (i, stream) in streams.into_iter().enumerate() {
+            let log = std::sync::Arc::clone(&log);
+            let load = nbd_load::Load {
+                depth,
+                duration: Duration::from_secs_f64(seconds),
+                writes,
+                blocks,
+                seed: rand::random::<u64>() ^ i as u64,
+            };
+            tasks.spawn(async move { nbd_load::run(stream, "", load, &log).await });
+        }
+        let mut latency = hdrhistogram::Histogram::<u64>::new(3)?;
+        let (mut ios, mut failed) = (0u64, 0u64);
+        while let Some(r) = tasks.join_next().await {
+            let r = r??;
+            ios += r.ios;
+            failed += r.errors + r.mismatches;
+            latency.add(&r.latency)?;
+        }
+        let elapsed = t0.elapsed().as_secs_f64();
+        let cpu = server.cpu()? - cpu0;
+        if failed > 0 {
+            return Err(format!("{failed} requests failed or read wrong data").into());
+        }
+        if ios == 0 {
+            return Err("no request completed".into());
+        }
+        Ok(ScalePoint {
+            iops: ios as f64 / elapsed,
+            cpu_us: cpu / ios as f64 * 1e6,
+            p50_us: latency.value_at_quantile(0.5),
+            p99_us: latency.value_at_quantile(0.99),
+        })
+    })
+}
+
+/// `vsan-bench scaling`: IOPS and CPU per I/O of one node and of a mirrored pair at
+/// each core count, every process on cores of its own where the machine has them.
+fn scaling_bench(args: ScalingArgs) -> Result<(), BoxError> {
+    let ScalingArgs {
+        cores,
+        seconds,
+        depth,
+        connections_per_core,
+        size_mib,
+        work_dir,
+        vsan_node,
+        only,
+        workloads: wanted,
+    } = args;
+    let dir = work_dir.unwrap_or_else(default_dir);
+    std::fs::create_dir_all(&dir)?;
+    let vsan_node = vsan_node.unwrap_or_else(|| exe_dir().join("vsan-node"));
+    let size = size_mib << 20;
+    let blocks = size / vsan_examples::pattern::BLOCK as u64;
+    let cpus = allowed_cpus()?;
+    let n = cpus.len();
+    let kinds: Vec<(ServerKind, &str, usize)> = [
+        (ServerKind::Vsan, "single", 1),
+        (ServerKind::VsanMirror, "mirror", 2),
+    ]
+    .into_iter()
+    .filter(|(_, key, _)| only.is_empty() || only.iter().any(|o| o == key))
+    .collect();
+    let workloads: Vec<&str> = ["randwrite", "randread"]
+        .into_iter()
+        .filter(|w| wanted.is_empty() || wanted.iter().any(|x| x == w))
+        .collect();
+    if kinds.is_empty() || workloads.is_empty() {
+        return Err("--only/--workloads leave nothing to run".into());
+    }
+    println!(
+        "{n} cores here; 4 KiB random I/O over NBD (Unix socket), {connections_per_core} connections x {depth} in flight per server core, {seconds} s per point, {size_mib} MiB disk"
+    );
+    let image = dir.join("bench-scaling.img");
+    let mut rows = Vec::new();
+    for &(kind, key, nodes) in &kinds {
+        for &k in &cores {
+            if k == 0 || k * nodes > n {
+                println!(
+                    "{key} at {k} cores per node: not run ({} cores needed for the node sets, {n} here)",
+                    k * nodes
+                );
+                continue;
+            }
+            let node_cpus = NodeCpus {
+                node1: cpus[..k].to_vec(),
+                node2: if nodes == 2 {
+                    cpus[k..2 * k].to_vec()
+                } else {
+                    Vec::new()
+                },
+            };
+            let free = &cpus[k * nodes..];
+            let (client, shared) = if free.is_empty() {
+                (cpus.clone(), true)
+            } else {
+                (free[..k.min(free.len())].to_vec(), false)
+            };
+            let mut figures = Vec::new();
+            for &w in &workloads {
+                let _ = std::fs::remove_file(&image);
+                std::fs::File::create(&image)?.set_len(size)?;
+                let (server, sock) =
+                    start(kind, &dir, &image, size, &vsan_node, Some(k), &node_cpus)?;
+                let on = server.cpus_allowed().join(" and ");
+                let load = ClientLoad {
+                    connections: k * connections_per_core,
+                    depth,
+                    seconds,
+                    writes: w == "randwrite",
+                    blocks,
+                };
+                let p = scale_load(&sock, &server, &client, load)?;
+                drop(server);
+                println!(
+                    "{key:<6} {k:>2} cores/node (on cpus {on})  client {:>2} cores{}  {w:<9} {:>9.0} IOPS  p50 {:>6} us  p99 {:>6} us  CPU {:>5.1} us/IO",
+                    client.len(),
+                    if shared { " (shared)" } else { "" },
+                    p.iops,
+                    p.p50_us,
+                    p.p99_us,
+                    p.cpu_us
+                );
+                figures.push((w, p));
+            }
+            rows.push((key, k, client.len(), shared, figures));
+        }
+    }
+    println!();
+    print!("| server | cores per node | client cores |");
+    for w in &workloads {
+        print!(" {w} IOPS | x first row | CPU us/IO |");
+    }
+    println!();
+    print!("|---|---:|---:|");
+    for _ in &workloads {
+        print!("---:|---:|---:|");
+    }
+    println!();
+    for (key, k, client, shared, figures) in &rows {
+        print!(
+            "| {key} | {k} | {client}{} |",
+            if *shared { " (shared)" } else { "" }
+        );
+        for (w, p) in figures {
+            let base = rows
+                .iter()
+                .find(|r| r.0 == *key)
+                .and_then(|r| r.4.iter().find(|(bw, _)| bw == w))
+                .map_or(f64::NAN, |(_, b)| p.iops / b.iops);
+            print!(" {:.0} | {base:.2}x | {:.1} |", p.iops, p.cpu_us);
+        }
+        println!();
+    }
+    Ok(())
+}
+
 type BoxError = Box<dyn std::error::Error>;
 
 fn have(tool: &str) -> bool {
@@ -497,6 +756,24 @@ struct Running {
 }
 
 impl Running {
+    /// The cores each of the server's processes may run on, as the kernel lists them
+    /// (`Cpus_allowed_list`), node 1 first.
+    fn cpus_allowed(&self) -> Vec<String> {
+        self.children
+            .iter()
+            .map(|c| {
+                std::fs::read_to_string(format!("/proc/{}/status", c.id()))
+                    .ok()
+                    .and_then(|st| {
+                        st.lines()
+                            .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+                            .map(|v| v.trim().to_string())
+                    })
+                    .unwrap_or_else(|| "?".into())
+            })
+            .collect()
+    }
+
     /// CPU seconds (user + system) the server's processes have used so far.
     fn cpu(&self) -> std::io::Result<f64> {
         self.children
@@ -557,6 +834,43 @@ fn wait_for_socket(sock: &Path, child: &mut Child) -> Result<(), BoxError> {
     Err(format!("server did not listen on {} in time", sock.display()).into())
 }
 
+/// The cores each node process may run on (empty: anywhere).
+#[derive(Debug, Default)]
+struct NodeCpus {
+    /// The single node, or node 1 of a pair.
+    node1: Vec<usize>,
+    /// Node 2 of a pair.
+    node2: Vec<usize>,
+}
+
+/// Make the process `cmd` starts (and every thread it creates) run only on `cpus`;
+/// nothing where `cpus` is empty.
+fn pin(cmd: &mut Command, cpus: &[usize]) {
+    use std::os::unix::process::CommandExt;
+    if cpus.is_empty() {
+        return;
+    }
+    let mut set = rustix::thread::CpuSet::new();
+    for &c in cpus {
+        set.set(c);
+    }
+    // SAFETY: the closure runs in the child between fork and exec; it makes one system
+    // call (sched_setaffinity) on a set built before the fork, and allocates nothing.
+    unsafe {
+        cmd.pre_exec(move || {
+            rustix::thread::sched_setaffinity(None, &set).map_err(std::io::Error::from)
+        });
+    }
+}
+
+/// The cores this process may run on, in order.
+fn allowed_cpus() -> Result<Vec<usize>, BoxError> {
+    let set = rustix::thread::sched_getaffinity(None)?;
+    Ok((0..rustix::thread::CpuSet::MAX_CPU)
+        .filter(|&c| set.is_set(c))
+        .collect())
+}
+
 fn start(
     kind: ServerKind,
     dir: &Path,
@@ -564,6 +878,7 @@ fn start(
     size: u64,
     vsan_node: &Path,
     node_threads: Option<usize>,
+    cpus: &NodeCpus,
 ) -> Result<(Running, PathBuf), BoxError> {
     let sock = dir.join(format!("{}.sock", kind.name().replace(' ', "-")));
     let _ = std::fs::remove_file(&sock);
@@ -617,7 +932,9 @@ fn start(
                     disk(1, &peer_image, "")
                 ),
             )?;
-            let node2 = Command::new(vsan_node)
+            let mut c2 = Command::new(vsan_node);
+            pin(&mut c2, &cpus.node2);
+            let node2 = c2
                 .arg("--config")
                 .arg(&cfg2)
                 .env("RUST_LOG", "warn")
@@ -651,6 +968,7 @@ fn start(
         }
     };
     let mirrored = kind == ServerKind::VsanMirror;
+    pin(&mut cmd, &cpus.node1);
     let mut child = cmd
         .stdin(Stdio::null())
         .stdout(if mirrored {
@@ -866,7 +1184,15 @@ fn nbd_bench(args: NbdArgs) -> Result<(), BoxError> {
                     std::fs::File::create(&write_image)?.set_len(size)?;
                     &write_image
                 };
-                let (server, sock) = start(k, &dir, image, size, &vsan_node, node_threads)?;
+                let (server, sock) = start(
+                    k,
+                    &dir,
+                    image,
+                    size,
+                    &vsan_node,
+                    node_threads,
+                    &NodeCpus::default(),
+                )?;
                 let r = fio(&sock, w, seconds, iodepth, size, &server)?;
                 drop(server);
                 println!(

@@ -1,0 +1,80 @@
+//! `vsan-bench scaling`, the core-count curve prepared for a machine with many cores and
+//! nothing installed, runs here at one core per node: every process is pinned where the
+//! table says, every request completes, and the reads check what they read.
+
+use std::process::Command;
+
+use crate::common::TestDir;
+
+#[test]
+fn scaling_bench_pins_each_node_and_reports_every_point() {
+    let dir = TestDir::new("scaling");
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let out = Command::new(env!("CARGO_BIN_EXE_vsan-bench"))
+        .args([
+            "scaling",
+            "--cores",
+            "1",
+            "--seconds",
+            "0.5",
+            "--size-mib",
+            "16",
+        ])
+        .arg("--work-dir")
+        .arg(dir.path())
+        .output()
+        .expect("run vsan-bench scaling");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "vsan-bench scaling failed: {}\n{stdout}\n{stderr}",
+        out.status
+    );
+    // The single node ran on one core, both workloads, with I/O done.
+    for w in ["randwrite", "randread"] {
+        let line = stdout
+            .lines()
+            .find(|l| l.starts_with("single") && l.contains(w))
+            .unwrap_or_else(|| panic!("no single-node {w} point:\n{stdout}"));
+        let on = line
+            .split("(on cpus ")
+            .nth(1)
+            .and_then(|r| r.split(')').next())
+            .unwrap_or_else(|| panic!("no cpu list in {line}"));
+        assert!(
+            on.parse::<usize>().is_ok(),
+            "the single node is not pinned to one core: {line}"
+        );
+        let iops: f64 = line
+            .split_whitespace()
+            .zip(line.split_whitespace().skip(1))
+            .find(|(_, unit)| *unit == "IOPS")
+            .and_then(|(v, _)| v.parse().ok())
+            .unwrap_or_else(|| panic!("no IOPS in {line}"));
+        assert!(iops > 100.0, "{line}");
+    }
+    // The pair: each node on a core of its own where there are two.
+    let mirror = stdout.lines().find(|l| l.starts_with("mirror"));
+    if cores >= 2 {
+        let line = mirror.unwrap_or_else(|| panic!("no mirrored point:\n{stdout}"));
+        let on = line
+            .split("(on cpus ")
+            .nth(1)
+            .and_then(|r| r.split(')').next())
+            .unwrap_or_else(|| panic!("no cpu list in {line}"));
+        let sets: Vec<&str> = on.split(" and ").collect();
+        assert!(
+            sets.len() == 2
+                && sets[0] != sets[1]
+                && sets.iter().all(|c| c.parse::<usize>().is_ok()),
+            "the nodes are not on one core each: {line}"
+        );
+    } else {
+        assert!(
+            stdout.contains("mirror at 1 cores per node: not run"),
+            "{stdout}"
+        );
+    }
+    assert!(stdout.contains("| server | cores per node |"), "{stdout}");
+}
