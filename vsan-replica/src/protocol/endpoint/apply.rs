@@ -163,8 +163,8 @@ impl Endpoint {
             return;
         }
         if self.apply[i].extents.is_none() {
-            let ranges = self.apply[i].ranges.clone();
-            let span: u64 = ranges
+            let span: u64 = self.apply[i]
+                .ranges
                 .iter()
                 .map(|r| {
                     Layout::extent_of(r.end.saturating_sub(1)) - Layout::extent_of(r.start) + 1
@@ -174,6 +174,7 @@ impl Endpoint {
                 // Too big for the activity log (a discard of many GiB, say): its chunks
                 // are marked in the bitmap instead, durably before it starts, and stay
                 // marked until the next resync copies them.
+                let ranges = self.apply[i].ranges.clone();
                 let mut gate = 0;
                 for r in &ranges {
                     gate = gate.max(self.mark_unmirrored(*r, false));
