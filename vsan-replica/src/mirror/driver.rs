@@ -400,10 +400,16 @@ pub(super) async fn run(
             // Every message already here, so one turn (and one batch of frames)
             // serves them all.
             while let Some(r) = rx.as_mut() {
-                let Poll::Ready(Some(msg)) = r.messages.as_mut().poll_next(cx) else {
+                let Poll::Ready(Some((first, more))) = r.messages.as_mut().poll_next(cx) else {
                     break;
                 };
-                if !shared.core.lock().link_message(r.link, msg) {
+                let mut core = shared.core.lock();
+                let now = Instant::now();
+                let current = std::iter::once(first)
+                    .chain(more)
+                    .all(|msg| core.link_message(r.link, msg, now));
+                drop(core);
+                if !current {
                     rx = None;
                 }
                 moved = true;
@@ -534,15 +540,15 @@ impl Core {
 
     /// What the task received on the link of count `link`; whether that link is still
     /// the current one afterwards (else its receiving half is dropped).
-    fn link_message(&mut self, link: u64, msg: Result<Message>) -> bool {
+    fn link_message(&mut self, link: u64, msg: Result<Message>, now: Instant) -> bool {
         // A link dropped or replaced since counts for nothing.
         if link == self.link_gen {
             match msg {
-                Ok(m) => self.peer_message(m),
+                Ok(m) => self.peer_message(m, now),
                 Err(e) => {
                     let reason = e.to_string();
                     self.drop_link();
-                    self.ep.handle_disconnected(Instant::now(), &reason);
+                    self.ep.handle_disconnected(now, &reason);
                 }
             }
         }
@@ -551,12 +557,12 @@ impl Core {
     }
 
     /// A message from the peer (fail point `mirror::recv_ack` may drop an ack).
-    fn peer_message(&mut self, m: Message) {
+    fn peer_message(&mut self, m: Message, now: Instant) {
         #[cfg(feature = "failpoints")]
         if self.points.ack_lost(&m) {
             return;
         }
-        self.ep.handle_message(Instant::now(), m);
+        self.ep.handle_message(now, m);
     }
 
     /// A local operation finished. The replica bumps its loss count before it completes
@@ -925,16 +931,35 @@ struct Receiving {
     messages: Messages,
 }
 
-/// A link's messages, read one after another from its receiving half.
-type Messages = std::pin::Pin<Box<dyn futures_util::Stream<Item = Result<Message>> + Send>>;
+/// A link's messages, read one after another from its receiving half: each item the
+/// message one wait brought, with the ones that arrived with it.
+type Messages = std::pin::Pin<Box<dyn futures_util::Stream<Item = Batch> + Send>>;
+
+/// A message received, and those already there behind it (in order).
+type Batch = (Result<Message>, Vec<Result<Message>>);
 
 impl Receiving {
     fn new(link: u64, half: Box<dyn LinkRx>) -> Receiving {
         Receiving {
             link,
             messages: Box::pin(futures_util::stream::unfold(half, |mut half| async move {
-                let msg = half.recv().await;
-                Some((msg, half))
+                let first = half.recv().await;
+                // What the same read brought in besides, without a future each.
+                let mut more = Vec::new();
+                if first.is_ok() {
+                    while let Some(m) = half.try_recv() {
+                        if more.is_empty() {
+                            // (Room for a typical batch at once, not a growth per push.)
+                            more.reserve(16);
+                        }
+                        let failed = m.is_err();
+                        more.push(m);
+                        if failed {
+                            break;
+                        }
+                    }
+                }
+                Some(((first, more), half))
             })),
         }
     }

@@ -508,6 +508,13 @@ impl LinkRx for Replay {
         })
     }
 
+    fn try_recv(&mut self) -> Option<Result<Message>> {
+        match self.first.take() {
+            Some(m) => Some(Ok(m)),
+            None => self.rx.try_recv(),
+        }
+    }
+
     fn peer(&self) -> &str {
         self.rx.peer()
     }

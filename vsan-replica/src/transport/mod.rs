@@ -166,6 +166,14 @@ pub trait LinkRx: Send + Sync + fmt::Debug {
     /// [`Protocol`](vsan_core::ErrorKind::Protocol) for bytes the codec refuses.
     fn recv(&mut self) -> IoFuture<'_, Message>;
 
+    /// The next message if it has already arrived, without waiting: what the next
+    /// [`recv`](Self::recv) would return at once (errors included), or `None` when that
+    /// would wait, or when the transport cannot tell (the default). Lets a receiver take
+    /// every message one read brought in without a future per message.
+    fn try_recv(&mut self) -> Option<Result<Message>> {
+        None
+    }
+
     /// The peer, for messages and logs.
     fn peer(&self) -> &str;
 }

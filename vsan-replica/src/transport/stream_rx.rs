@@ -82,25 +82,33 @@ impl<S: StreamSource> StreamRx<S> {
     }
 
     async fn next(&mut self) -> Result<Message> {
-        if let Some((kind, context)) = &self.failed {
-            return Err(Error::new(*kind, context.clone()));
-        }
         loop {
-            match wire::decode(&mut self.buf) {
-                Ok(Some(msg)) => return Ok(msg),
-                Ok(None) => {}
-                Err(e) => {
-                    let err = Error::with_source(
-                        ErrorKind::Protocol,
-                        format!("{}: received a bad frame", self.source.peer()),
-                        e,
-                    );
-                    self.source.distrust(&err);
-                    return Err(self.fail(err));
-                }
+            if let Some(m) = self.buffered() {
+                return m;
             }
             if let Err(err) = self.source.fill(&mut self.buf).await {
                 return Err(self.fail(err));
+            }
+        }
+    }
+
+    /// The next message from what was already read (the first error again once the
+    /// link failed); `None` when the buffer holds no whole frame.
+    fn buffered(&mut self) -> Option<Result<Message>> {
+        if let Some((kind, context)) = &self.failed {
+            return Some(Err(Error::new(*kind, context.clone())));
+        }
+        match wire::decode(&mut self.buf) {
+            Ok(Some(msg)) => Some(Ok(msg)),
+            Ok(None) => None,
+            Err(e) => {
+                let err = Error::with_source(
+                    ErrorKind::Protocol,
+                    format!("{}: received a bad frame", self.source.peer()),
+                    e,
+                );
+                self.source.distrust(&err);
+                Some(Err(self.fail(err)))
             }
         }
     }
@@ -114,6 +122,10 @@ impl<S: StreamSource> StreamRx<S> {
 impl<S: StreamSource> LinkRx for StreamRx<S> {
     fn recv(&mut self) -> IoFuture<'_, Message> {
         Box::pin(self.next())
+    }
+
+    fn try_recv(&mut self) -> Option<Result<Message>> {
+        self.buffered()
     }
 
     fn peer(&self) -> &str {

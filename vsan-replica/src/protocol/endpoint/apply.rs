@@ -7,6 +7,7 @@ use std::time::Instant;
 use bytes::Bytes;
 use vsan_core::{ErrorKind, Op};
 
+use super::journal::Extents;
 use super::{
     Endpoint, Event, LinkState, Local, LocalIo, LocalOpId, LocalResult, Remote, Replica, RequestId,
     status_of,
@@ -31,7 +32,7 @@ pub(super) struct Apply {
     /// Metadata generation that must be durable before it starts.
     pub(super) gate: u64,
     /// Activity-log extents it holds (writes only); `None` while it waits for a slot.
-    pub(super) extents: Option<Vec<u64>>,
+    pub(super) extents: Option<Extents>,
     /// Read result (resync reads and compares).
     pub(super) data: Option<Bytes>,
     /// One of its operations was issued before the local replica lost data and
@@ -130,7 +131,7 @@ impl Endpoint {
         let extents = if kind.is_write() && !matches!(kind, ApplyKind::SyncWrite { .. }) {
             None
         } else {
-            Some(Vec::new())
+            Some(Extents::new())
         };
         self.apply.push_back(Apply {
             id,
@@ -180,7 +181,7 @@ impl Endpoint {
                     gate = gate.max(self.mark_unmirrored(*r, false));
                 }
                 let a = &mut self.apply[i];
-                a.extents = Some(Vec::new());
+                a.extents = Some(Extents::new());
                 a.gate = a.gate.max(gate);
             }
         }

@@ -34,6 +34,10 @@ use crate::meta::{
     AL_EXTENT_SIZE, AL_SLOTS, Bitmap, Layout, Loaded, META_BLOCK, Superblock, encode_al,
 };
 use crate::protocol::fastmap::FastMap;
+
+/// The activity-log extents one write holds: nearly always one, two where it crosses
+/// an extent's end, kept inline.
+pub(super) type Extents = smallvec::SmallVec<[u64; 2]>;
 use crate::protocol::message::{GEN_JUST_CREATED, Generations, Message, Status};
 use crate::protocol::ranges::Range;
 
@@ -377,8 +381,8 @@ impl Journal {
     /// Take activity-log slots for `ranges`; `None` when the log is full of extents
     /// with writes in flight. Returns the extents and the generation that makes them
     /// durable.
-    pub(super) fn al_acquire(&mut self, ranges: &[Range]) -> Option<(Vec<u64>, u64)> {
-        let mut extents: Vec<u64> = Vec::new();
+    pub(super) fn al_acquire(&mut self, ranges: &[Range]) -> Option<(Extents, u64)> {
+        let mut extents = Extents::new();
         for r in ranges {
             let first = Layout::extent_of(r.start);
             let last = Layout::extent_of(r.end.saturating_sub(1).max(r.start));
