@@ -13,6 +13,10 @@
 //! sets its headline beside fio's mirrored figures of the same round. `--only` and
 //! `--workloads` narrow a run (for profiling one server). A server whose program is not
 //! installed is reported as missing, not silently dropped.
+//!
+//! `vsan-bench scaling` measures how a single node and a mirrored pair scale with cores:
+//! each `vsan-node` pinned to a core set of its own, driven by the project's own NBD
+//! client (no fio) on further cores, IOPS and CPU per I/O at each core count.
 
 use std::io::Write;
 use std::os::unix::fs::MetadataExt;
@@ -93,18 +97,22 @@ struct ScalingArgs {
     /// Size of the exported disk in MiB.
     #[arg(long, default_value_t = 256)]
     size_mib: u64,
+    #[command(flatten)]
+    paths: BenchPaths,
+    /// Only these servers (single, mirror) and workloads (randwrite, randread).
+    #[arg(long)]
+    only: Vec<String>,
+}
+
+/// Where a benchmark works and which `vsan-node` it runs.
+#[derive(clap::Args, Debug)]
+struct BenchPaths {
     /// Work directory (default: target/vsan-bench).
     #[arg(long)]
     work_dir: Option<PathBuf>,
     /// Path of vsan-node (default: next to this binary).
     #[arg(long)]
     vsan_node: Option<PathBuf>,
-    /// Only these servers (single, mirror).
-    #[arg(long)]
-    only: Vec<String>,
-    /// Only these workloads (randwrite, randread).
-    #[arg(long)]
-    workloads: Vec<String>,
 }
 
 /// Options of `vsan-bench vhost`.
@@ -602,16 +610,25 @@ fn scaling_bench(args: ScalingArgs) -> Result<(), BoxError> {
         depth,
         connections_per_core,
         size_mib,
-        work_dir,
-        vsan_node,
+        paths,
         only,
-        workloads: wanted,
     } = args;
-    let dir = work_dir.unwrap_or_else(default_dir);
+    let dir = paths.work_dir.unwrap_or_else(default_dir);
     std::fs::create_dir_all(&dir)?;
-    let vsan_node = vsan_node.unwrap_or_else(|| exe_dir().join("vsan-node"));
+    let vsan_node = paths
+        .vsan_node
+        .unwrap_or_else(|| exe_dir().join("vsan-node"));
     let size = size_mib << 20;
     let blocks = size / vsan_examples::pattern::BLOCK as u64;
+    if let Some(w) = only
+        .iter()
+        .find(|w| !["single", "mirror", "randwrite", "randread"].contains(&w.as_str()))
+    {
+        return Err(format!(
+            "--only {w:?}: not a server (single, mirror) or a workload (randwrite, randread)"
+        )
+        .into());
+    }
     let cpus = allowed_cpus()?;
     let n = cpus.len();
     let kinds: Vec<(ServerKind, &str, usize)> = [
@@ -619,14 +636,16 @@ fn scaling_bench(args: ScalingArgs) -> Result<(), BoxError> {
         (ServerKind::VsanMirror, "mirror", 2),
     ]
     .into_iter()
-    .filter(|(_, key, _)| only.is_empty() || only.iter().any(|o| o == key))
+    .filter(|(_, key, _)| {
+        !only.iter().any(|o| o == "single" || o == "mirror") || only.iter().any(|o| o == key)
+    })
     .collect();
     let workloads: Vec<&str> = ["randwrite", "randread"]
         .into_iter()
-        .filter(|w| wanted.is_empty() || wanted.iter().any(|x| x == w))
+        .filter(|w| !only.iter().any(|o| o.starts_with("rand")) || only.iter().any(|o| o == w))
         .collect();
     if kinds.is_empty() || workloads.is_empty() {
-        return Err("--only/--workloads leave nothing to run".into());
+        return Err(format!("--only {only:?} leaves nothing to run").into());
     }
     println!(
         "{n} cores here; 4 KiB random I/O over NBD (Unix socket), {connections_per_core} connections x {depth} in flight per server core, {seconds} s per point, {size_mib} MiB disk"
