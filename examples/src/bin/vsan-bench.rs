@@ -544,10 +544,7 @@ fn scale_load(
         writes,
         blocks,
     } = load;
-    let mut set = rustix::thread::CpuSet::new();
-    for &c in client_cpus {
-        set.set(c);
-    }
+    let set = cpu_set(client_cpus);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(client_cpus.len().max(1))
         .on_thread_start(move || {
@@ -869,10 +866,7 @@ fn pin(cmd: &mut Command, cpus: &[usize]) {
     if cpus.is_empty() {
         return;
     }
-    let mut set = rustix::thread::CpuSet::new();
-    for &c in cpus {
-        set.set(c);
-    }
+    let set = cpu_set(cpus);
     // SAFETY: the closure runs in the child between fork and exec; it makes one system
     // call (sched_setaffinity) on a set built before the fork, and allocates nothing.
     unsafe {
@@ -880,6 +874,15 @@ fn pin(cmd: &mut Command, cpus: &[usize]) {
             rustix::thread::sched_setaffinity(None, &set).map_err(std::io::Error::from)
         });
     }
+}
+
+/// `cpus` as the kernel's CPU set.
+fn cpu_set(cpus: &[usize]) -> rustix::thread::CpuSet {
+    let mut set = rustix::thread::CpuSet::new();
+    for &c in cpus {
+        set.set(c);
+    }
+    set
 }
 
 /// The cores this process may run on, in order.

@@ -924,7 +924,7 @@ impl Sim {
             }
             for io in ios {
                 moved = true;
-                let op = local_op(&io);
+                let op = io.op();
                 let delay = Duration::from_micros(
                     self.rng
                         .random_range(0..=self.plan.io_delay.as_micros() as u64),
@@ -1594,14 +1594,5 @@ impl Sim {
         );
         self.nodes[n].requests.insert(req, what);
         self.pump(n)
-    }
-}
-
-fn local_op(io: &LocalIo) -> LocalOpId {
-    match io {
-        LocalIo::Write { op, .. }
-        | LocalIo::Flush { op }
-        | LocalIo::Read { op, .. }
-        | LocalIo::Meta { op, .. } => *op,
     }
 }

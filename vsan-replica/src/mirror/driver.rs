@@ -975,12 +975,7 @@ fn run_local(
     meta: Arc<dyn BlockDevice>,
     io: LocalIo,
 ) -> LocalFuture {
-    let op = match &io {
-        LocalIo::Write { op, .. }
-        | LocalIo::Flush { op }
-        | LocalIo::Read { op, .. }
-        | LocalIo::Meta { op, .. } => *op,
-    };
+    let op = io.op();
     let fut = std::panic::AssertUnwindSafe(local_io(dev, meta, io));
     Box::pin(async move {
         fut.catch_unwind().await.unwrap_or_else(|_| {
@@ -995,54 +990,52 @@ async fn local_io(
     meta: Arc<dyn BlockDevice>,
     io: LocalIo,
 ) -> (LocalOpId, LocalResult) {
-    {
-        let kind = |e: Error| e.kind();
-        match io {
-            LocalIo::Write {
-                op,
-                offset,
-                payload,
-                fua,
-            } => {
-                let flags = if fua { IoFlags::FUA } else { IoFlags::empty() };
-                let r = match payload {
-                    WritePayload::Data(d) => dev.write(offset, d, flags).await,
-                    WritePayload::Zeroes { len } => dev.write_zeroes(offset, len, flags).await,
-                    WritePayload::Discard { len } => dev.discard(offset, len, flags).await,
-                };
-                (op, r.map(|()| None).map_err(kind))
-            }
-            LocalIo::Flush { op } => (op, dev.flush().await.map(|()| None).map_err(kind)),
-            LocalIo::Read {
-                op,
-                offset,
-                len,
-                once,
-            } => {
-                let r = if once {
-                    dev.read_once(offset, len as usize).await
-                } else {
-                    dev.read(offset, len as usize).await
-                };
-                (op, r.map(Some).map_err(kind))
-            }
-            LocalIo::Meta {
-                op,
-                writes,
-                flush_data,
-            } => {
-                let r = async {
-                    if flush_data {
-                        dev.flush().await?;
-                    }
-                    for (offset, bytes) in writes {
-                        meta.write(offset, bytes, IoFlags::empty()).await?;
-                    }
-                    meta.flush().await
+    let kind = |e: Error| e.kind();
+    match io {
+        LocalIo::Write {
+            op,
+            offset,
+            payload,
+            fua,
+        } => {
+            let flags = if fua { IoFlags::FUA } else { IoFlags::empty() };
+            let r = match payload {
+                WritePayload::Data(d) => dev.write(offset, d, flags).await,
+                WritePayload::Zeroes { len } => dev.write_zeroes(offset, len, flags).await,
+                WritePayload::Discard { len } => dev.discard(offset, len, flags).await,
+            };
+            (op, r.map(|()| None).map_err(kind))
+        }
+        LocalIo::Flush { op } => (op, dev.flush().await.map(|()| None).map_err(kind)),
+        LocalIo::Read {
+            op,
+            offset,
+            len,
+            once,
+        } => {
+            let r = if once {
+                dev.read_once(offset, len as usize).await
+            } else {
+                dev.read(offset, len as usize).await
+            };
+            (op, r.map(Some).map_err(kind))
+        }
+        LocalIo::Meta {
+            op,
+            writes,
+            flush_data,
+        } => {
+            let r = async {
+                if flush_data {
+                    dev.flush().await?;
                 }
-                .await;
-                (op, r.map(|()| None).map_err(kind))
+                for (offset, bytes) in writes {
+                    meta.write(offset, bytes, IoFlags::empty()).await?;
+                }
+                meta.flush().await
             }
+            .await;
+            (op, r.map(|()| None).map_err(kind))
         }
     }
 }

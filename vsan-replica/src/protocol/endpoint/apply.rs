@@ -155,12 +155,7 @@ impl Endpoint {
     /// Start apply entry `i` if nothing earlier overlaps it and its metadata is durable.
     pub(super) fn try_start_apply(&mut self, i: usize) {
         let me = &self.apply[i];
-        if me.started
-            || self
-                .apply
-                .range(..i)
-                .any(|a| any_overlap(&a.ranges, &me.ranges))
-        {
+        if me.started || self.overlaps_apply(&me.ranges, i) {
             return;
         }
         if self.apply[i].extents.is_none() {

@@ -34,12 +34,12 @@ use crate::meta::{
     AL_EXTENT_SIZE, AL_SLOTS, Bitmap, Layout, Loaded, META_BLOCK, Superblock, encode_al,
 };
 use crate::protocol::fastmap::FastMap;
+use crate::protocol::message::{GEN_JUST_CREATED, Generations, Message, Status};
+use crate::protocol::ranges::Range;
 
 /// The activity-log extents one write holds: nearly always one, two where it crosses
 /// an extent's end, kept inline.
 pub(super) type Extents = smallvec::SmallVec<[u64; 2]>;
-use crate::protocol::message::{GEN_JUST_CREATED, Generations, Message, Status};
-use crate::protocol::ranges::Range;
 
 /// An activity-log slot.
 #[derive(Debug, Clone, Copy)]

@@ -173,6 +173,18 @@ pub enum LocalIo {
     },
 }
 
+impl LocalIo {
+    /// The id to report it back with.
+    pub fn op(&self) -> LocalOpId {
+        match self {
+            LocalIo::Write { op, .. }
+            | LocalIo::Flush { op }
+            | LocalIo::Read { op, .. }
+            | LocalIo::Meta { op, .. } => *op,
+        }
+    }
+}
+
 /// The outcome of a local operation, reported by the driver.
 pub type LocalResult = Result<Option<Bytes>, ErrorKind>;
 

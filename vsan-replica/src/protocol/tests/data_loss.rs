@@ -440,7 +440,7 @@ fn a_read_issued_before_the_loss_is_not_trusted_even_after_its_chunk_is_synced()
     p.run();
     let expect = p.n[1].disk.clone();
     let r = p.read(0, 2 * LOSS_CHUNK, 4096);
-    let hold = local_op(&p.n[0].io[0]);
+    let hold = p.n[0].io[0].op();
     p.lose_chunk(0, 2, &before);
     let now = p.now;
     p.n[0].ep.local_data_lost(now);
@@ -454,11 +454,7 @@ fn a_read_issued_before_the_loss_is_not_trusted_even_after_its_chunk_is_synced()
         "chunk 2 repaired"
     );
     assert!(!p.n[0].ep.is_inconsistent(), "the resync is done");
-    let k = p.n[0]
-        .io
-        .iter()
-        .position(|io| local_op(io) == hold)
-        .unwrap();
+    let k = p.n[0].io.iter().position(|io| io.op() == hold).unwrap();
     let LocalIo::Read { op, .. } = p.n[0].io.remove(k) else {
         panic!("not the read");
     };

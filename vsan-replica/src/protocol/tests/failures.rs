@@ -152,7 +152,7 @@ fn resync_io_of_an_earlier_link_is_not_sent_on_a_later_one() {
                 .iter()
                 .find(|io| matches!(io, LocalIo::Read { .. }))
                 .expect("repair read");
-            hold = Some(local_op(io));
+            hold = Some(io.op());
             break;
         }
         if !p.deliver(0) && !p.deliver(1) {
@@ -184,13 +184,12 @@ fn a_write_resent_after_a_flap_does_not_block_later_writes() {
     let w = p.write(1, 0, fill(0x21, 512), false);
     p.complete_io(1, 0);
     p.deliver(0);
-    let hold = local_op(
-        p.n[0]
-            .io
-            .iter()
-            .find(|io| matches!(io, LocalIo::Write { .. }))
-            .unwrap(),
-    );
+    let hold = p.n[0]
+        .io
+        .iter()
+        .find(|io| matches!(io, LocalIo::Write { .. }))
+        .unwrap()
+        .op();
     p.cut();
     p.connect();
     p.run_except(0, hold);
@@ -442,13 +441,12 @@ fn a_flush_completing_alone_holds_the_hello_back_so_no_generation_moves_while_co
     p.pump();
     let f = p.n[0].ep.submit_flush(now);
     p.pump();
-    let hold = local_op(
-        p.n[0]
-            .io
-            .iter()
-            .find(|io| matches!(io, LocalIo::Flush { .. }))
-            .expect("the flush's local half"),
-    );
+    let hold = p.n[0]
+        .io
+        .iter()
+        .find(|io| matches!(io, LocalIo::Flush { .. }))
+        .expect("the flush's local half")
+        .op();
     p.connect();
     p.run_except(0, hold);
     assert_ne!(

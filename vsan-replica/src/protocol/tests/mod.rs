@@ -369,19 +369,10 @@ impl Rng {
 
 // ----- regressions from review (each reproduced a bug before its fix) -----
 
-fn local_op(io: &LocalIo) -> LocalOpId {
-    match io {
-        LocalIo::Write { op, .. }
-        | LocalIo::Flush { op }
-        | LocalIo::Read { op, .. }
-        | LocalIo::Meta { op, .. } => *op,
-    }
-}
-
 impl Pair {
     /// Like `run`, but never completes local op `hold` on node `node`.
     fn run_except(&mut self, node: usize, hold: LocalOpId) {
-        self.run_where(|i, io| !(i == node && local_op(io) == hold));
+        self.run_where(|i, io| !(i == node && io.op() == hold));
     }
 
     /// Complete node `node`'s pending local op `op` (held back by [`Self::run_except`]).
@@ -389,7 +380,7 @@ impl Pair {
         let k = self.n[node]
             .io
             .iter()
-            .position(|io| local_op(io) == op)
+            .position(|io| io.op() == op)
             .expect("the held op is pending");
         self.complete_io(node, k);
     }
