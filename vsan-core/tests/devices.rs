@@ -194,6 +194,50 @@ async fn file_device_fua_write() {
     assert_eq!(&got[512..], &data[512..]);
 }
 
+/// `try_write_now` carries out a buffered write on the spot (the file holds it at once),
+/// refuses bad input as `write` does without touching the file, and leaves FUA and
+/// O_DIRECT writes, which wait for the disk, to `write`: returning `None` and writing
+/// nothing.
+#[tokio::test]
+async fn file_device_writes_now_only_what_the_page_cache_takes() {
+    let dir = tempdir();
+    let path = dir.path().join("disk.img");
+    // (Larger than the largest request, for the bad-input cases; sparse.)
+    let dev = FileOptions::new().create(64 << 20).open(&path).unwrap();
+    let data = Bytes::from(pattern(5, 8192, 4096));
+    dev.try_write_now(8192, &data, IoFlags::empty())
+        .expect("a buffered write is carried out at once")
+        .unwrap();
+    assert!(std::fs::read(&path).unwrap()[8192..12288] == data[..]);
+    let before = std::fs::read(&path).unwrap();
+    let g = dev.geometry();
+    // (A write of u64::MAX bytes cannot be built, as in `check_validation`.)
+    let buildable = bad_inputs(g, true)
+        .into_iter()
+        .filter(|c| c.2 <= u64::from(g.max_io()) * 2);
+    for (what, offset, len, kind) in buildable {
+        let bad = Bytes::from(vec![9u8; len as usize]);
+        let err = dev
+            .try_write_now(offset, &bad, IoFlags::empty())
+            .unwrap_or_else(|| panic!("{what}: refused at once"))
+            .unwrap_err();
+        assert_eq!(err.kind(), kind, "{what}");
+    }
+    let other = Bytes::from(pattern(6, 0, 4096));
+    assert!(dev.try_write_now(0, &other, IoFlags::FUA).is_none());
+    assert!(
+        std::fs::read(&path).unwrap() == before,
+        "nothing else written"
+    );
+    drop(dev);
+    let direct = FileOptions::new().block_size(4096).direct(true).open(&path);
+    if let Ok(direct) = direct {
+        // (A file system without O_DIRECT, tmpfs say, cannot open it: nothing to check.)
+        assert!(direct.try_write_now(0, &other, IoFlags::empty()).is_none());
+        assert!(std::fs::read(&path).unwrap() == before, "nothing written");
+    }
+}
+
 #[tokio::test]
 async fn file_device_create_with_other_size_fails_and_changes_nothing() {
     let dir = tempdir();

@@ -296,10 +296,13 @@ async fn a_scsi_handler_may_do_io_on_its_own_mirror() {
     within("close node 1", d1.close()).await.unwrap();
 }
 
-/// A data device whose first write at `PANIC_AT` panics (a device bug).
+/// A data device whose first write at `PANIC_AT` panics (a device bug): in its
+/// future, or, with `inline`, in `try_write_now` (the driver's path for writes a device
+/// carries out at once).
 struct PanickingDevice {
     inner: Arc<MemDevice>,
     armed: std::sync::atomic::AtomicBool,
+    inline: bool,
 }
 
 const PANIC_AT: u64 = 5 * BLOCK as u64;
@@ -312,10 +315,27 @@ impl BlockDevice for PanickingDevice {
         self.inner.read(offset, len)
     }
     fn write(&self, offset: u64, data: Bytes, flags: IoFlags) -> vsan_core::IoFuture<'_, ()> {
-        if offset == PANIC_AT && self.armed.swap(false, std::sync::atomic::Ordering::SeqCst) {
+        if !self.inline
+            && offset == PANIC_AT
+            && self.armed.swap(false, std::sync::atomic::Ordering::SeqCst)
+        {
             return Box::pin(async { panic!("a device bug") });
         }
         self.inner.write(offset, data, flags)
+    }
+    fn try_write_now(
+        &self,
+        offset: u64,
+        data: &Bytes,
+        flags: IoFlags,
+    ) -> Option<vsan_core::Result<()>> {
+        if !self.inline {
+            return None;
+        }
+        if offset == PANIC_AT && self.armed.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            panic!("a device bug");
+        }
+        self.inner.try_write_now(offset, data, flags)
     }
     fn flush(&self) -> vsan_core::IoFuture<'_, ()> {
         self.inner.flush()
@@ -334,11 +354,23 @@ impl BlockDevice for PanickingDevice {
 /// reads see the newest data, and the mirror closes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_device_that_panics_fails_its_io_and_strands_no_request() {
+    device_panics(false).await;
+}
+
+/// The same, for a panic in `try_write_now`, which the driver calls on the spot
+/// instead of polling a future.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_that_panics_on_the_spot_fails_its_io_and_strands_no_request() {
+    device_panics(true).await;
+}
+
+async fn device_panics(inline: bool) {
     let _dog = watchdog("requests after a device panicked");
     let (m1, m2) = (mem(), mem());
     let dev1 = Arc::new(PanickingDevice {
         inner: Arc::clone(&m1),
         armed: true.into(),
+        inline,
     });
     let (d1, d2) = pair_on(dev1, Arc::clone(&m2) as _).await;
     // Several writes started under one plug, so the panicking one shares its turn (run

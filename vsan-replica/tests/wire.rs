@@ -328,6 +328,31 @@ fn every_sample_round_trips() {
     }
 }
 
+/// A batch's frames, whose heads share one buffer, are byte for byte the frames each
+/// message encodes to alone; a message that cannot be encoded fails the batch.
+#[test]
+fn a_batch_encodes_each_message_as_alone() {
+    let samples = samples();
+    let frames = wire::encode_batch(&samples).unwrap();
+    assert_eq!(frames.len(), samples.len());
+    for (msg, frame) in samples.iter().zip(frames) {
+        let alone = wire::encode(msg).unwrap();
+        assert_eq!(frame.head(), alone.head(), "{msg:?}");
+        assert_eq!(frame.data(), alone.data(), "{msg:?}");
+    }
+    let mut bad = samples.clone();
+    bad.insert(
+        1,
+        Message::Refuse {
+            reason: "x".repeat(MAX_META_LEN + 1),
+        },
+    );
+    assert!(matches!(
+        wire::encode_batch(&bad),
+        Err(WireError::TooLarge { what: "meta", .. })
+    ));
+}
+
 #[test]
 fn frames_back_to_back_decode_in_order_even_byte_by_byte() {
     let samples = samples();

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use bytes::{Bytes, BytesMut};
 use rustix::fs::FallocateFlags;
 
-use super::{BlockDevice, Geometry, IoFlags, IoFuture, Op, ready};
+use super::{BlockDevice, Geometry, IoFlags, IoFuture, Op, done, ready};
 use crate::error::{Error, ErrorKind, Result};
 
 /// Alignment used for O_DIRECT buffers (covers 512 and 4096-byte logical sectors).
@@ -345,18 +345,27 @@ impl BlockDevice for FileDevice {
     }
 
     fn write(&self, offset: u64, data: Bytes, flags: IoFlags) -> IoFuture<'_, ()> {
+        if let Some(r) = self.try_write_now(offset, &data, flags) {
+            return done(r);
+        }
+        let fua = flags.contains(IoFlags::FUA);
+        blocking(&self.inner, move |i| i.write_at(offset, &data, fua))
+    }
+
+    /// Buffered writes without FUA (a `pwrite` into the page cache) and requests that
+    /// fail validation; O_DIRECT and FUA writes wait for the disk, on the blocking pool.
+    fn try_write_now(&self, offset: u64, data: &Bytes, flags: IoFlags) -> Option<Result<()>> {
         if let Err(e) = self
             .inner
             .geometry
             .validate(Op::Write, offset, data.len() as u64)
         {
-            return ready(Err(e));
+            return Some(Err(e));
         }
-        let fua = flags.contains(IoFlags::FUA);
-        if self.inner.direct || fua {
-            return blocking(&self.inner, move |i| i.write_at(offset, &data, fua));
+        if self.inner.direct || flags.contains(IoFlags::FUA) {
+            return None;
         }
-        ready(self.inner.write_at(offset, &data, false))
+        Some(self.inner.write_at(offset, data, false))
     }
 
     fn flush(&self) -> IoFuture<'_, ()> {

@@ -7,7 +7,7 @@
 use bytes::{Bytes, BytesMut};
 use parking_lot::RwLock;
 
-use super::{BlockDevice, Geometry, IoFlags, IoFuture, Op, ready};
+use super::{BlockDevice, Geometry, IoFlags, IoFuture, Op, done, ready};
 use crate::error::Result;
 
 const SEGMENT: usize = 64 << 10;
@@ -101,11 +101,16 @@ impl BlockDevice for MemDevice {
     }
 
     fn write(&self, offset: u64, data: Bytes, _flags: IoFlags) -> IoFuture<'_, ()> {
-        ready(self.write_sync(offset, &data))
+        done(self.write_sync(offset, &data))
+    }
+
+    /// Always at once (memory is as durable as this device gets).
+    fn try_write_now(&self, offset: u64, data: &Bytes, _flags: IoFlags) -> Option<Result<()>> {
+        Some(self.write_sync(offset, data))
     }
 
     fn flush(&self) -> IoFuture<'_, ()> {
-        ready(Ok(()))
+        done(Ok(()))
     }
 
     fn discard(&self, offset: u64, len: u64, _flags: IoFlags) -> IoFuture<'_, ()> {

@@ -237,6 +237,16 @@ pub trait BlockDevice: Send + Sync {
     /// Write `data` at `offset`. With [`IoFlags::FUA`] the data is durable on completion.
     fn write(&self, offset: u64, data: Bytes, flags: IoFlags) -> IoFuture<'_, ()>;
 
+    /// [`write`](Self::write) carried out at once on the calling thread, where this
+    /// device can do that cheaply (a buffered write into the page cache), without a
+    /// future; `None` where it cannot (the caller then uses `write`, and nothing was
+    /// done). A caller that issues many small writes (the mirror's driver) saves a
+    /// boxed future and a poll per write. By default, `None`.
+    fn try_write_now(&self, offset: u64, data: &Bytes, flags: IoFlags) -> Option<Result<()>> {
+        let _ = (offset, data, flags);
+        None
+    }
+
     /// Make every write that completed before this call durable.
     fn flush(&self) -> IoFuture<'_, ()>;
 
@@ -273,6 +283,26 @@ pub trait BlockDevice: Send + Sync {
 /// A future that is already complete; what synchronous devices return.
 pub(crate) fn ready<'a, T: Send + 'a>(r: Result<T>) -> IoFuture<'a, T> {
     Box::pin(std::future::ready(r))
+}
+
+/// [`ready`] for an operation with no result: a success costs no allocation (its
+/// future is zero-sized), which matters on the path of every page-cache write.
+pub(crate) fn done<'a>(r: Result<()>) -> IoFuture<'a, ()> {
+    /// `Ok(())` at once; zero-sized, so its box allocates nothing.
+    struct Done;
+    impl Future for Done {
+        type Output = Result<()>;
+        fn poll(
+            self: Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Result<()>> {
+            std::task::Poll::Ready(Ok(()))
+        }
+    }
+    match r {
+        Ok(()) => Box::pin(Done),
+        Err(e) => ready(Err(e)),
+    }
 }
 
 #[cfg(test)]

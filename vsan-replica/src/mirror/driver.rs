@@ -203,25 +203,47 @@ impl Shared {
             }
             let mut fresh = std::mem::take(&mut core.fresh);
             let mut finished = std::mem::take(&mut core.finished);
+            let mut pending = std::mem::take(&mut core.pending);
+            let devices = (
+                Arc::clone(&core.name),
+                Arc::clone(&core.local),
+                Arc::clone(&core.meta),
+            );
             MutexGuard::unlocked(&mut core, || {
-                fresh.retain_mut(|f| match f.poll_unpin(cx) {
-                    Poll::Ready(done) => {
-                        finished.push(done);
-                        false
+                let (name, local, meta) = devices;
+                for f in fresh.drain(..) {
+                    let mut fut = match f {
+                        Fresh::Io(io) => match local_now(&name, &*local, &io) {
+                            Some(done) => {
+                                finished.push(done);
+                                continue;
+                            }
+                            None => run_local(
+                                Arc::clone(&name),
+                                Arc::clone(&local),
+                                Arc::clone(&meta),
+                                io,
+                            ),
+                        },
+                        Fresh::Started(fut) => fut,
+                    };
+                    match fut.poll_unpin(cx) {
+                        Poll::Ready(done) => finished.push(done),
+                        Poll::Pending => pending.push(fut),
                     }
-                    Poll::Pending => true,
-                });
+                }
             });
             if !core.stopped {
-                core.running.extend(fresh.drain(..));
+                core.running.extend(pending.drain(..));
                 for (op, res) in finished.drain(..) {
                     core.local_done(op, res);
                 }
             }
-            fresh.clear();
+            pending.clear();
             finished.clear();
             core.fresh = fresh;
             core.finished = finished;
+            core.pending = pending;
         }
         core.publish();
         core
@@ -319,9 +341,11 @@ pub(super) struct Core {
     pub(super) backlog: VecDeque<Message>,
     pub(super) running: FuturesUnordered<LocalFuture>,
     /// Local I/O started in this turn, run (once) with the lock released.
-    pub(super) fresh: Vec<LocalFuture>,
+    pub(super) fresh: Vec<Fresh>,
     /// What of `fresh` completed at once.
     pub(super) finished: Vec<(LocalOpId, LocalResult)>,
+    /// What of `fresh` did not, on its way to `running` (kept for its allocation).
+    pub(super) pending: Vec<LocalFuture>,
     /// The SCSI handler (see [`super::MirroredDisk::set_scsi_handler`]).
     pub(super) scsi: super::ScsiSlot,
     /// The peer's SCSI calls being handled, each a task of its own on the mirror's
@@ -782,7 +806,11 @@ impl Core {
     /// registers `cx`'s waker while it runs): `Ready` when something finished.
     fn poll_running(&mut self, cx: &mut Context<'_>) -> Poll<()> {
         let mut moved = false;
-        while let Poll::Ready(Some((op, res))) = self.running.poll_next_unpin(cx) {
+        // (An empty set is not polled: a poll registers the waker, which costs, and a
+        // future joins the set only in a turn that polls it.)
+        while !self.running.is_empty()
+            && let Poll::Ready(Some((op, res))) = self.running.poll_next_unpin(cx)
+        {
             self.local_done(op, res);
             moved = true;
         }
@@ -793,7 +821,9 @@ impl Core {
             self.sent(r);
             moved = true;
         }
-        while let Poll::Ready(Some(done)) = self.scsi_running.poll_join_next(cx) {
+        while !self.scsi_running.is_empty()
+            && let Poll::Ready(Some(done)) = self.scsi_running.poll_join_next(cx)
+        {
             // A task of the set ends only by answering (a panic is caught inside it) or
             // by being aborted, which only dropping the set does.
             if let Ok((epoch, id, res)) = done {
@@ -825,16 +855,13 @@ impl Core {
                 moved = true;
                 #[cfg(feature = "failpoints")]
                 if let Some((op, kind)) = self.points.local_io(&io) {
-                    self.fresh
-                        .push(Box::pin(std::future::ready((op, Err(kind)))));
+                    self.fresh.push(Fresh::Started(Box::pin(std::future::ready((
+                        op,
+                        Err(kind),
+                    )))));
                     continue;
                 }
-                self.fresh.push(run_local(
-                    Arc::clone(&self.name),
-                    Arc::clone(&self.local),
-                    Arc::clone(&self.meta),
-                    io,
-                ));
+                self.fresh.push(Fresh::Io(io));
             }
             while let Some(ev) = self.stale_events.pop_front() {
                 moved = true;
@@ -961,6 +988,41 @@ impl Receiving {
                 }
                 Some(((first, more), half))
             })),
+        }
+    }
+}
+
+/// Local I/O a turn started, carried out once the lock is released.
+pub(super) enum Fresh {
+    /// Not started yet: tried at once ([`local_now`]), else as a future.
+    Io(LocalIo),
+    /// Already a future (a fail point's answer).
+    #[cfg_attr(not(feature = "failpoints"), allow(dead_code))]
+    Started(LocalFuture),
+}
+
+/// `io` carried out on the spot, where the device can ([`BlockDevice::try_write_now`]:
+/// a write into the page cache), with no future; `None` where it cannot (nothing was
+/// done). A panic in the device fails the I/O, as in [`run_local`].
+fn local_now(disk: &str, dev: &dyn BlockDevice, io: &LocalIo) -> Option<(LocalOpId, LocalResult)> {
+    let LocalIo::Write {
+        op,
+        offset,
+        payload: WritePayload::Data(data),
+        fua,
+    } = io
+    else {
+        return None;
+    };
+    let flags = if *fua { IoFlags::FUA } else { IoFlags::empty() };
+    let tried = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        dev.try_write_now(*offset, data, flags)
+    }));
+    match tried {
+        Ok(r) => r.map(|r| (*op, r.map(|()| None).map_err(|e| e.kind()))),
+        Err(_) => {
+            error!(disk = %disk, "a local I/O panicked in the device: failed as an I/O error");
+            Some((*op, Err(ErrorKind::Io)))
         }
     }
 }

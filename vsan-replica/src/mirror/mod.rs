@@ -303,6 +303,7 @@ impl MirroredDisk {
             running: FuturesUnordered::new(),
             fresh: Vec::new(),
             finished: Vec::new(),
+            pending: Vec::new(),
             scsi: Arc::clone(&scsi),
             scsi_running: tokio::task::JoinSet::new(),
             last_problem: None,

@@ -24,6 +24,22 @@ impl Range {
     }
 }
 
+/// The ranges of one apply entry: nearly always one, held inline.
+pub(crate) type Ranges = smallvec::SmallVec<[Range; 1]>;
+
+/// The smallest range that covers all of `ranges` (empty for none): two lists can only
+/// overlap where their spans do.
+pub(crate) fn span(ranges: &[Range]) -> Range {
+    match ranges {
+        [] => Range { start: 0, end: 0 },
+        [one] => *one,
+        [first, rest @ ..] => rest.iter().fold(*first, |s, r| Range {
+            start: s.start.min(r.start),
+            end: s.end.max(r.end),
+        }),
+    }
+}
+
 /// `piece` minus every range in `mask`, as ordered non-overlapping pieces.
 pub(crate) fn subtract(piece: Range, mask: &[Range]) -> Vec<Range> {
     let mut out = vec![piece];

@@ -273,13 +273,20 @@ impl<S: StreamSink> StreamTx<S> {
 
 impl<S: StreamSink> SendSide<S> {
     fn encode(&self, msg: &Message) -> Result<Frame> {
-        wire::encode(msg).map_err(|e| {
-            Error::with_source(
-                ErrorKind::InvalidArgument,
-                format!("{}: send", self.peer),
-                e,
-            )
-        })
+        wire::encode(msg).map_err(|e| self.unencodable(e))
+    }
+
+    /// [`Self::encode`] for the messages of one batch (their heads share a buffer).
+    fn encode_batch(&self, msgs: &[Message]) -> Result<Vec<Frame>> {
+        wire::encode_batch(msgs).map_err(|e| self.unencodable(e))
+    }
+
+    fn unencodable(&self, e: wire::WireError) -> Error {
+        Error::with_source(
+            ErrorKind::InvalidArgument,
+            format!("{}: send", self.peer),
+            e,
+        )
     }
 
     /// Records `err` as the link's failure unless it has one; returns it.
@@ -501,10 +508,7 @@ impl<S: StreamSink> LinkTx for StreamTx<S> {
 
     fn send_batch(&self, msgs: Vec<Message>) -> IoFuture<'_, ()> {
         Box::pin(async move {
-            let frames = msgs
-                .iter()
-                .map(|m| self.side.encode(m))
-                .collect::<Result<Vec<_>>>()?;
+            let frames = self.side.encode_batch(&msgs)?;
             if frames.is_empty() {
                 return Ok(());
             }

@@ -175,10 +175,27 @@ pub fn validate(msg: &Message) -> Result<(), WireError> {
 /// Fails when `msg` breaks a rule of [`validate`] or its meta exceeds
 /// [`MAX_META_LEN`] (a `Refuse` reason or disk name of tens of KiB).
 pub fn encode(msg: &Message) -> Result<Frame, WireError> {
+    encode_with(msg, None)
+}
+
+/// Encodes `msgs` in order, as [`encode`] does each, with their heads sharing one
+/// buffer (one allocation for the batch, not one per frame): the frames a link sends
+/// in one write.
+pub fn encode_batch(msgs: &[Message]) -> Result<Vec<Frame>, WireError> {
+    // Room for typical heads (header and a small meta); a larger one grows the buffer.
+    let mut heads = BytesMut::with_capacity(msgs.len() * (HEADER_LEN + 32));
+    msgs.iter()
+        .map(|m| encode_with(m, Some(&mut heads)))
+        .collect()
+}
+
+/// [`encode`], with the head split off `heads` where given.
+fn encode_with(msg: &Message, heads: Option<&mut BytesMut>) -> Result<Frame, WireError> {
     validate(msg)?;
     let kind = Kind::of(msg);
     match msg {
         Message::Hello(h) => build(
+            heads,
             kind,
             &pb::Hello {
                 protocol_version: h.protocol_version,
@@ -198,8 +215,9 @@ pub fn encode(msg: &Message) -> Result<Frame, WireError> {
             },
             Bytes::new(),
         ),
-        Message::Welcome => build(kind, &(), Bytes::new()),
+        Message::Welcome => build(heads, kind, &(), Bytes::new()),
         Message::Refuse { reason } => build(
+            heads,
             kind,
             &pb::Refuse {
                 reason: reason.clone(),
@@ -224,21 +242,28 @@ pub fn encode(msg: &Message) -> Result<Frame, WireError> {
                 len,
                 fua: *fua,
             };
-            build(kind, &meta, data)
+            build(heads, kind, &meta, data)
         }
         Message::WriteAck { id, status }
         | Message::FlushAck { id, status }
         | Message::SyncCheckpointAck { id, status } => {
-            build(kind, &reply(*id, *status), Bytes::new())
+            build(heads, kind, &reply(*id, *status), Bytes::new())
         }
-        Message::ReadReply { id, status, data } => build(kind, &reply(*id, *status), data.clone()),
-        Message::ScsiReply { id, status, body } => build(kind, &reply(*id, *status), body.clone()),
-        Message::Scsi { id, body } => build(kind, &pb::Token { id: *id }, body.clone()),
+        Message::ReadReply { id, status, data } => {
+            build(heads, kind, &reply(*id, *status), data.clone())
+        }
+        Message::ScsiReply { id, status, body } => {
+            build(heads, kind, &reply(*id, *status), body.clone())
+        }
+        Message::Scsi { id, body } => build(heads, kind, &pb::Token { id: *id }, body.clone()),
         Message::Flush { id }
         | Message::Ping { id }
         | Message::Pong { id }
-        | Message::SyncCheckpoint { id } => build(kind, &pb::Token { id: *id }, Bytes::new()),
+        | Message::SyncCheckpoint { id } => {
+            build(heads, kind, &pb::Token { id: *id }, Bytes::new())
+        }
         Message::Read { id, offset, len } => build(
+            heads,
             kind,
             &pb::Read {
                 id: *id,
@@ -256,12 +281,13 @@ pub fn encode(msg: &Message) -> Result<Frame, WireError> {
             let meta = pb::SyncBitmap {
                 runs: runs.len() as u64,
             };
-            build(kind, &meta, data.freeze())
+            build(heads, kind, &meta, data.freeze())
         }
         Message::SyncData { offset, data } => {
-            build(kind, &pb::SyncData { offset: *offset }, data.clone())
+            build(heads, kind, &pb::SyncData { offset: *offset }, data.clone())
         }
         Message::SyncAck { offset, status } => build(
+            heads,
             kind,
             &pb::SyncAck {
                 offset: *offset,
@@ -275,6 +301,7 @@ pub fn encode(msg: &Message) -> Result<Frame, WireError> {
             crc,
             verify,
         } => build(
+            heads,
             kind,
             &pb::SyncCrc {
                 offset: *offset,
@@ -289,6 +316,7 @@ pub fn encode(msg: &Message) -> Result<Frame, WireError> {
             equal,
             verify,
         } => build(
+            heads,
             kind,
             &pb::SyncCrcReply {
                 offset: *offset,
@@ -298,20 +326,22 @@ pub fn encode(msg: &Message) -> Result<Frame, WireError> {
             Bytes::new(),
         ),
         Message::SyncDone { generations: g } => build(
+            heads,
             kind,
             &pb::SyncDone {
                 generations: Some(generations(g)),
             },
             Bytes::new(),
         ),
-        Message::SyncRequest => build(kind, &pb::SyncRequest {}, Bytes::new()),
-        Message::ReplicaDetached => build(kind, &pb::ReplicaDetached {}, Bytes::new()),
-        Message::LaneSeq { seq } => build(kind, &pb::Token { id: *seq }, Bytes::new()),
+        Message::SyncRequest => build(heads, kind, &pb::SyncRequest {}, Bytes::new()),
+        Message::ReplicaDetached => build(heads, kind, &pb::ReplicaDetached {}, Bytes::new()),
+        Message::LaneSeq { seq } => build(heads, kind, &pb::Token { id: *seq }, Bytes::new()),
         Message::LaneJoin {
             group,
             index,
             count,
         } => build(
+            heads,
             kind,
             &pb::LaneJoin {
                 group: *group,
@@ -542,13 +572,13 @@ pub(crate) fn encode_auth_challenge(nonce: &[u8]) -> Result<Frame, WireError> {
     let meta = pb::AuthChallenge {
         nonce: nonce.to_vec(),
     };
-    build(Kind::AuthChallenge, &meta, Bytes::new())
+    build(None, Kind::AuthChallenge, &meta, Bytes::new())
 }
 
 /// Encodes an authentication response.
 pub(crate) fn encode_auth_response(mac: &[u8]) -> Result<Frame, WireError> {
     let meta = pb::AuthResponse { mac: mac.to_vec() };
-    build(Kind::AuthResponse, &meta, Bytes::new())
+    build(None, Kind::AuthResponse, &meta, Bytes::new())
 }
 
 /// Decodes the first frame in `buf`, which must be an authentication frame; like
@@ -592,7 +622,12 @@ fn decode_frame(buf: &mut BytesMut) -> Result<Option<(Kind, Bytes, Bytes)>, Wire
 }
 
 /// Builds a frame from its kind, meta and data.
-fn build(kind: Kind, meta: &impl prost::Message, data: Bytes) -> Result<Frame, WireError> {
+fn build(
+    heads: Option<&mut BytesMut>,
+    kind: Kind,
+    meta: &impl prost::Message,
+    data: Bytes,
+) -> Result<Frame, WireError> {
     let meta_len = meta.encoded_len();
     if meta_len > MAX_META_LEN {
         return Err(WireError::TooLarge {
@@ -608,13 +643,23 @@ fn build(kind: Kind, meta: &impl prost::Message, data: Bytes) -> Result<Frame, W
             max: MAX_DATA_LEN as u64,
         });
     }
-    let mut head = BytesMut::with_capacity(HEADER_LEN + meta_len);
+    let mut own = BytesMut::new();
+    let shared = heads.is_some();
+    let buf = heads.unwrap_or(&mut own);
+    buf.reserve(HEADER_LEN + meta_len);
     // Both lengths are within their limits, far below u32::MAX.
-    Header::put(kind, meta_len as u32, data.len() as u32, &mut head);
-    meta.encode(&mut head).map_err(|_| WireError::Invalid {
+    Header::put(kind, meta_len as u32, data.len() as u32, buf);
+    meta.encode(buf).map_err(|_| WireError::Invalid {
         kind,
         reason: "meta does not fit its buffer",
     })?;
+    // A head of its own is taken whole (splitting it would share it: an allocation
+    // more); from a shared buffer it is split off.
+    let mut head = if shared {
+        buf.split()
+    } else {
+        std::mem::take(buf)
+    };
     let crc = checksum(&head[..CRC_AT], &head[HEADER_LEN..], &data);
     head[CRC_AT..HEADER_LEN].copy_from_slice(&crc.to_be_bytes());
     Ok(Frame {

@@ -93,7 +93,7 @@ mod header;
 pub mod message;
 
 pub(crate) use codec::{AuthFrame, decode_auth, encode_auth_challenge, encode_auth_response};
-pub use codec::{Frame, decode, encode, encode_into, validate};
+pub use codec::{Frame, decode, encode, encode_batch, encode_into, validate};
 pub use error::WireError;
 pub use header::{HEADER_LEN, Kind, MAGIC, MAX_DATA_LEN, MAX_LANES, MAX_META_LEN, WIRE_VERSION};
 pub use message::{

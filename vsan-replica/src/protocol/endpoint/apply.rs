@@ -14,7 +14,7 @@ use super::{
 };
 use crate::meta::{AL_SLOTS, Layout};
 use crate::protocol::message::{Message, Status, WritePayload};
-use crate::protocol::ranges::{Range, any_overlap, subtract};
+use crate::protocol::ranges::{Range, Ranges, any_overlap, span, subtract};
 
 /// An entry in the apply list: local replica I/O that must be ordered against
 /// overlapping writes (application writes, resync copies, resync reads).
@@ -25,7 +25,10 @@ pub(super) struct Apply {
     /// peer from an earlier link are dropped, never sent on a later one.
     pub(super) epoch: u64,
     pub(super) kind: ApplyKind,
-    pub(super) ranges: Vec<Range>,
+    pub(super) ranges: Ranges,
+    /// The span of `ranges`: the overlap checks look at it first, without following
+    /// anything.
+    pub(super) span: Range,
     pub(super) started: bool,
     pub(super) running_ops: usize,
     pub(super) failed: Option<ErrorKind>,
@@ -109,12 +112,13 @@ pub(super) fn slice_payload(payload: &WritePayload, offset: u64, piece: Range) -
 
 impl Endpoint {
     pub(super) fn overlaps_apply(&self, ranges: &[Range], before: usize) -> bool {
+        let s = span(ranges);
         self.apply
             .range(..before)
-            .any(|a| any_overlap(&a.ranges, ranges))
+            .any(|a| a.span.overlaps(&s) && any_overlap(&a.ranges, ranges))
     }
 
-    pub(super) fn push_apply(&mut self, kind: ApplyKind, ranges: Vec<Range>, gate: u64) -> usize {
+    pub(super) fn push_apply(&mut self, kind: ApplyKind, ranges: Ranges, gate: u64) -> usize {
         self.push_apply_keeping(kind, ranges, gate, None)
     }
 
@@ -122,7 +126,7 @@ impl Endpoint {
     pub(super) fn push_apply_keeping(
         &mut self,
         kind: ApplyKind,
-        ranges: Vec<Range>,
+        ranges: Ranges,
         gate: u64,
         keep: Option<Vec<Range>>,
     ) -> usize {
@@ -137,6 +141,7 @@ impl Endpoint {
             id,
             epoch: self.link_epoch,
             kind,
+            span: span(&ranges),
             ranges,
             started: false,
             running_ops: 0,
@@ -262,10 +267,10 @@ impl Endpoint {
             }
         };
         let trimmed = self.apply[i].keep.is_some();
-        let pieces = self.apply[i]
-            .keep
-            .clone()
-            .unwrap_or_else(|| self.apply[i].ranges.clone());
+        let pieces: Ranges = match &self.apply[i].keep {
+            Some(keep) => Ranges::from_slice(keep),
+            None => self.apply[i].ranges.clone(),
+        };
         // A trimmed peer write is acknowledged only once the own writes that won its
         // other parts are in place, and, for FUA, durable: a flush after them (also the
         // one operation when nothing of it is left to write).
@@ -345,7 +350,7 @@ impl Endpoint {
                 fua,
             },
         );
-        self.push_apply_keeping(ApplyKind::Peer(id), vec![range], 0, keep);
+        self.push_apply_keeping(ApplyKind::Peer(id), smallvec::smallvec![range], 0, keep);
     }
 
     /// The driver finished local operation `op`.

@@ -218,7 +218,7 @@ impl Endpoint {
             w.local = Local::Done(Err(ErrorKind::Io));
             w.failed_alone = alone;
         } else {
-            self.push_apply(ApplyKind::Own(req), vec![range], 0);
+            self.push_apply(ApplyKind::Own(req), smallvec::smallvec![range], 0);
         }
         match self.state {
             LinkState::Connected => self.send_own_write(now, req),

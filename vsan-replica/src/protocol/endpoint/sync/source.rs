@@ -105,7 +105,7 @@ impl Endpoint {
                     len: len as u32,
                     mode: ReadMode::Data,
                 },
-                vec![Range::new(offset, len)],
+                smallvec::smallvec![Range::new(offset, len)],
                 0,
             );
         }
@@ -273,7 +273,7 @@ impl Endpoint {
                     len: len as u32,
                     mode,
                 },
-                vec![Range::new(offset, len)],
+                smallvec::smallvec![Range::new(offset, len)],
                 0,
             );
         }

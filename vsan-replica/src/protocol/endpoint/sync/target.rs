@@ -11,7 +11,7 @@ use vsan_core::ErrorKind;
 
 use super::{ApplyKind, Endpoint, Event, MAX_RUN, MetaWaiter, SyncRole};
 use crate::protocol::message::{Generations, Message, Status};
-use crate::protocol::ranges::{Range, subtract};
+use crate::protocol::ranges::{Range, Ranges, subtract};
 
 impl Endpoint {
     /// Target: a run of chunks from the source.
@@ -59,7 +59,11 @@ impl Endpoint {
             );
         }
         let gate = self.sync.as_ref().map_or(0, |s| s.gate);
-        self.push_apply(ApplyKind::SyncWrite { offset, data }, ranges, gate);
+        self.push_apply(
+            ApplyKind::SyncWrite { offset, data },
+            Ranges::from_vec(ranges),
+            gate,
+        );
     }
 
     /// Target: the source's checksum of a chunk, to compare with this replica's.
@@ -95,7 +99,7 @@ impl Endpoint {
                 crc,
                 verify,
             },
-            vec![range],
+            smallvec::smallvec![range],
             0,
         );
     }
