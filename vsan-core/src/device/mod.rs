@@ -241,7 +241,10 @@ pub trait BlockDevice: Send + Sync {
     /// device can do that cheaply (a buffered write into the page cache), without a
     /// future; `None` where it cannot (the caller then uses `write`, and nothing was
     /// done). A caller that issues many small writes (the mirror's driver) saves a
-    /// boxed future and a poll per write. By default, `None`.
+    /// boxed future and a poll per write. By default, `None`, which is always correct: a
+    /// device that wraps another and does something in `write` (counts, injects faults,
+    /// caches) must not forward this call to the inner device without doing the same
+    /// here, or writes would bypass it.
     fn try_write_now(&self, offset: u64, data: &Bytes, flags: IoFlags) -> Option<Result<()>> {
         let _ = (offset, data, flags);
         None
