@@ -204,22 +204,17 @@ impl Shared {
             let mut fresh = std::mem::take(&mut core.fresh);
             let mut finished = std::mem::take(&mut core.finished);
             let mut pending = std::mem::take(&mut core.pending);
-            let devices = (
-                Arc::clone(&core.name),
-                Arc::clone(&core.local),
-                Arc::clone(&core.meta),
-            );
+            let (local, meta) = (Arc::clone(&core.local), Arc::clone(&core.meta));
             MutexGuard::unlocked(&mut core, || {
-                let (name, local, meta) = devices;
                 for f in fresh.drain(..) {
                     let mut fut = match f {
-                        Fresh::Io(io) => match local_now(&name, &*local, &io) {
+                        Fresh::Io(io) => match local_now(&self.name, &*local, &io) {
                             Some(done) => {
                                 finished.push(done);
                                 continue;
                             }
                             None => run_local(
-                                Arc::clone(&name),
+                                Arc::clone(&self.name),
                                 Arc::clone(&local),
                                 Arc::clone(&meta),
                                 io,

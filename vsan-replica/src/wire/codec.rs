@@ -175,7 +175,7 @@ pub fn validate(msg: &Message) -> Result<(), WireError> {
 /// Fails when `msg` breaks a rule of [`validate`] or its meta exceeds
 /// [`MAX_META_LEN`] (a `Refuse` reason or disk name of tens of KiB).
 pub fn encode(msg: &Message) -> Result<Frame, WireError> {
-    encode_with(msg, None)
+    encode_into_heads(msg, &mut BytesMut::new())
 }
 
 /// Encodes `msgs` in order, as [`encode`] does each, with their heads sharing one
@@ -185,12 +185,12 @@ pub fn encode_batch(msgs: &[Message]) -> Result<Vec<Frame>, WireError> {
     // Room for typical heads (header and a small meta); a larger one grows the buffer.
     let mut heads = BytesMut::with_capacity(msgs.len() * (HEADER_LEN + 32));
     msgs.iter()
-        .map(|m| encode_with(m, Some(&mut heads)))
+        .map(|m| encode_into_heads(m, &mut heads))
         .collect()
 }
 
-/// [`encode`], with the head split off `heads` where given.
-fn encode_with(msg: &Message, heads: Option<&mut BytesMut>) -> Result<Frame, WireError> {
+/// [`encode`], the head written at the end of `heads` and split off it.
+fn encode_into_heads(msg: &Message, heads: &mut BytesMut) -> Result<Frame, WireError> {
     validate(msg)?;
     let kind = Kind::of(msg);
     match msg {
@@ -572,13 +572,23 @@ pub(crate) fn encode_auth_challenge(nonce: &[u8]) -> Result<Frame, WireError> {
     let meta = pb::AuthChallenge {
         nonce: nonce.to_vec(),
     };
-    build(None, Kind::AuthChallenge, &meta, Bytes::new())
+    build(
+        &mut BytesMut::new(),
+        Kind::AuthChallenge,
+        &meta,
+        Bytes::new(),
+    )
 }
 
 /// Encodes an authentication response.
 pub(crate) fn encode_auth_response(mac: &[u8]) -> Result<Frame, WireError> {
     let meta = pb::AuthResponse { mac: mac.to_vec() };
-    build(None, Kind::AuthResponse, &meta, Bytes::new())
+    build(
+        &mut BytesMut::new(),
+        Kind::AuthResponse,
+        &meta,
+        Bytes::new(),
+    )
 }
 
 /// Decodes the first frame in `buf`, which must be an authentication frame; like
@@ -623,7 +633,7 @@ fn decode_frame(buf: &mut BytesMut) -> Result<Option<(Kind, Bytes, Bytes)>, Wire
 
 /// Builds a frame from its kind, meta and data.
 fn build(
-    heads: Option<&mut BytesMut>,
+    heads: &mut BytesMut,
     kind: Kind,
     meta: &impl prost::Message,
     data: Bytes,
@@ -643,23 +653,14 @@ fn build(
             max: MAX_DATA_LEN as u64,
         });
     }
-    let mut own = BytesMut::new();
-    let shared = heads.is_some();
-    let buf = heads.unwrap_or(&mut own);
-    buf.reserve(HEADER_LEN + meta_len);
+    heads.reserve(HEADER_LEN + meta_len);
     // Both lengths are within their limits, far below u32::MAX.
-    Header::put(kind, meta_len as u32, data.len() as u32, buf);
-    meta.encode(buf).map_err(|_| WireError::Invalid {
+    Header::put(kind, meta_len as u32, data.len() as u32, heads);
+    meta.encode(heads).map_err(|_| WireError::Invalid {
         kind,
         reason: "meta does not fit its buffer",
     })?;
-    // A head of its own is taken whole (splitting it would share it: an allocation
-    // more); from a shared buffer it is split off.
-    let mut head = if shared {
-        buf.split()
-    } else {
-        std::mem::take(buf)
-    };
+    let mut head = heads.split();
     let crc = checksum(&head[..CRC_AT], &head[HEADER_LEN..], &data);
     head[CRC_AT..HEADER_LEN].copy_from_slice(&crc.to_be_bytes());
     Ok(Frame {

@@ -225,13 +225,20 @@ impl<V: Verbs> RdmaTx<V> {
     }
 
     fn encode(&self, msg: &Message) -> Result<wire::Frame> {
-        wire::encode(msg).map_err(|e| {
-            Error::with_source(
-                ErrorKind::InvalidArgument,
-                format!("{}: send", self.shared.peer),
-                e,
-            )
-        })
+        wire::encode(msg).map_err(|e| self.unencodable(e))
+    }
+
+    /// [`Self::encode`] for the messages of one batch (their heads share a buffer).
+    fn encode_batch(&self, msgs: &[Message]) -> Result<Vec<wire::Frame>> {
+        wire::encode_batch(msgs).map_err(|e| self.unencodable(e))
+    }
+
+    fn unencodable(&self, e: wire::WireError) -> Error {
+        Error::with_source(
+            ErrorKind::InvalidArgument,
+            format!("{}: send", self.shared.peer),
+            e,
+        )
     }
 }
 
@@ -248,10 +255,7 @@ impl<V: Verbs> LinkTx for RdmaTx<V> {
 
     fn send_batch(&self, msgs: Vec<Message>) -> IoFuture<'_, ()> {
         Box::pin(async move {
-            let frames = msgs
-                .iter()
-                .map(|m| self.encode(m))
-                .collect::<Result<Vec<_>>>()?;
+            let frames = self.encode_batch(&msgs)?;
             if self.enqueue(frames)? {
                 self.wait_for_room().await?;
             }
