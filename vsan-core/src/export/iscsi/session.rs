@@ -25,7 +25,8 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use bytes::{Bytes, BytesMut};
-use futures_util::stream::{FuturesUnordered, StreamExt};
+use futures_buffered::FuturesUnordered;
+use futures_util::stream::StreamExt;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
@@ -386,6 +387,8 @@ struct Conn<'a> {
     exp_cmd_sn: u32,
     tasks: HashMap<u32, Task>,
     pending: HashMap<u32, Pending>,
+    /// Commands on the logical unit (futures-buffered's set reuses its slots: no
+    /// allocation per command beyond the command's own future).
     running: FuturesUnordered<Running<'a>>,
     tmfs: Vec<PendingTmf>,
     /// The other node's part of task management functions (see

@@ -20,7 +20,8 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
-use futures_util::stream::{FuturesUnordered, StreamExt};
+use futures_buffered::FuturesUnordered;
+use futures_util::stream::StreamExt;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, UnixListener};
 use tokio_util::sync::CancellationToken;
@@ -375,6 +376,8 @@ struct Connection<'a> {
     counters: &'a Counters,
     inbuf: BytesMut,
     out: BytesMut,
+    /// Requests that did not complete inline. (futures-buffered's set keeps its slots
+    /// and their wakers from one request to the next: no allocation per request.)
     in_flight: FuturesUnordered<InFlight<'a>>,
     /// False after DISC, end of input, or shutdown: no more requests are read.
     reading: bool,
