@@ -48,6 +48,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
+use smallvec::SmallVec;
 use socket2::SockRef;
 use tokio::io::Interest;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
@@ -65,6 +66,11 @@ use crate::wire::Frame;
 
 /// Most slices handed to one vectored write.
 const MAX_IOVECS: usize = 64;
+
+/// The slices of one vectored send, on the stack up to [`MAX_IOVECS`] (no allocation per
+/// send).
+type IoSlices<'a> = SmallVec<[IoSlice<'a>; MAX_IOVECS]>;
+
 /// Most bytes handed to one vectored write.
 const MAX_BATCH_BYTES: usize = 1 << 20;
 /// The receive buffer grows by this much when it runs low.
@@ -348,7 +354,7 @@ impl StreamSink for TcpSink {
     }
 
     async fn write(&self, batch: &mut [Bytes]) -> Result<usize> {
-        let slices: Vec<IoSlice<'_>> = batch.iter().map(|b| IoSlice::new(b)).collect();
+        let slices: IoSlices<'_> = batch.iter().map(|b| IoSlice::new(b)).collect();
         let stream: &TcpStream = self.stream.as_ref();
         let sent = stream
             .async_io(Interest::WRITABLE, || {
@@ -379,7 +385,7 @@ fn write_now_many(stream: &TcpStream, frames: &[Frame]) -> io::Result<usize> {
     let total: usize = frames.iter().map(Frame::len).sum();
     let mut done = 0;
     while done < total {
-        let slices: Vec<IoSlice<'_>> = frame_parts(frames, done)
+        let slices: IoSlices<'_> = frame_parts(frames, done)
             .take(MAX_IOVECS)
             .map(IoSlice::new)
             .collect();

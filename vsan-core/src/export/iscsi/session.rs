@@ -25,8 +25,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use bytes::{Bytes, BytesMut};
-use futures_buffered::FuturesUnordered;
-use futures_util::stream::StreamExt;
+use futures_util::stream::{FuturesUnordered, StreamExt};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
@@ -387,8 +386,6 @@ struct Conn<'a> {
     exp_cmd_sn: u32,
     tasks: HashMap<u32, Task>,
     pending: HashMap<u32, Pending>,
-    /// Commands on the logical unit (futures-buffered's set reuses its slots: no
-    /// allocation per command beyond the command's own future).
     running: FuturesUnordered<Running<'a>>,
     tmfs: Vec<PendingTmf>,
     /// The other node's part of task management functions (see

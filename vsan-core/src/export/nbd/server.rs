@@ -376,8 +376,13 @@ struct Connection<'a> {
     counters: &'a Counters,
     inbuf: BytesMut,
     out: BytesMut,
-    /// Requests that did not complete inline. (futures-buffered's set keeps its slots
-    /// and their wakers from one request to the next: no allocation per request.)
+    /// Requests that did not complete inline. futures-buffered's set keeps its slots
+    /// and their wakers from one request to the next: no allocation per request. (It
+    /// polls at most 61 futures per `poll_next` before it yields, which is harmless
+    /// here because [`Connection::start`] polls every request once, under the pass's
+    /// plug, before it joins the set; the iSCSI and vhost-user front doors, which start
+    /// their requests by polling the set under a plug, keep `futures_util`'s set, which
+    /// polls all of them first.)
     in_flight: FuturesUnordered<InFlight<'a>>,
     /// False after DISC, end of input, or shutdown: no more requests are read.
     reading: bool,

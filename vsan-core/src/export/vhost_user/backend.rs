@@ -18,8 +18,7 @@ use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
-use futures_buffered::FuturesUnordered;
-use futures_util::stream::Stream;
+use futures_util::stream::{FuturesUnordered, Stream};
 use parking_lot::{Condvar, Mutex};
 use tracing::{debug, info, warn};
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
@@ -67,8 +66,6 @@ impl Wake for FdWaker {
 /// One queue of one connection.
 struct Queue {
     index: u16,
-    /// Requests started and not yet completed (futures-buffered's set reuses its
-    /// slots: no allocation per request beyond the request's own future).
     work: Mutex<FuturesUnordered<Work>>,
     waker: Arc<FdWaker>,
     consumer: EventConsumer,
