@@ -18,6 +18,9 @@ use vsan_core::export::iscsi::{Server, ServerOptions, Target};
 use vsan_core::scsi::{LogicalUnit, LuConfig, LuIdentity, TargetPort};
 use vsan_core::{BlockDevice, Geometry, MemDevice};
 
+mod common;
+use common::PlugProbe;
+
 const IQN: &str = "iqn.2026-12.io.vsan:test";
 const INITIATOR: &str = "iqn.2026-12.io.vsan:initiator";
 const BLOCK: u32 = 512;
@@ -729,6 +732,69 @@ async fn garbage_ends_one_connection_and_the_server_goes_on() {
     ini.login(Some(IQN), &[]).await;
     let (status, _, _) = ini.run_clear_ua(&[0u8; 6], 0, &[], 0).await;
     assert_eq!(status, 0);
+    server.shutdown();
+    server.wait_idle().await;
+}
+
+/// Commands that arrive together start together: every one of 100 one-block WRITEs sent
+/// in one burst reaches the device under the session's plug (so a mirror sends them to
+/// its peer in one batch), none on its own after it — also beyond the 61 futures a
+/// `futures_buffered` set polls before it yields, which is why the session keeps
+/// `futures_util`'s set.
+#[tokio::test]
+async fn commands_that_arrive_together_start_under_one_plug() {
+    let probe = PlugProbe::new();
+    let server = Server::with_options(
+        vec![Target::new(IQN, lu(probe.clone()))],
+        ServerOptions::default(),
+    )
+    .unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let s = server.clone();
+    tokio::spawn(async move { s.serve_tcp(listener).await });
+    let mut ini = Initiator::connect(addr).await;
+    ini.login(Some(IQN), &[("InitialR2T", "No"), ("ImmediateData", "Yes")])
+        .await;
+    ini.run_clear_ua(&[0u8; 6], 0, &[], 0).await; // TEST UNIT READY
+    const N: u32 = 100;
+    let mut burst = BytesMut::new();
+    for i in 0..N {
+        let data = Bytes::from(pattern(BLOCK as usize, i as u8));
+        let c = ini.command(&write10(i, 1, false), false, true, BLOCK, data, true);
+        Request::Command(c).encode(Digests::default(), &mut burst);
+    }
+    ini.stream.write_all(&burst).await.unwrap();
+    for _ in 0..N {
+        match ini.recv_reply().await {
+            Reply::ScsiResponse(r) => {
+                assert_eq!(r.status, 0);
+                ini.exp_stat_sn = r.stat_sn + 1;
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    for i in 0..N {
+        let back = probe
+            .read(u64::from(i * BLOCK), BLOCK as usize)
+            .await
+            .unwrap();
+        assert_eq!(
+            &back[..],
+            &pattern(BLOCK as usize, i as u8)[..],
+            "block {i}"
+        );
+    }
+    let (plugged, unplugged, batches) = {
+        let st = probe.state.lock().unwrap();
+        (st.plugged, st.unplugged, st.batches)
+    };
+    assert_eq!(
+        (plugged, unplugged),
+        (u64::from(N), 0),
+        "every write of the burst started under a plug"
+    );
+    assert!(batches >= 1, "the burst went through an unplug");
     server.shutdown();
     server.wait_idle().await;
 }

@@ -839,3 +839,40 @@ async fn connection_served_after_shutdown_cannot_attach() {
     })
     .await;
 }
+
+/// Requests that arrive together start together: every one of 100 writes sent in one
+/// burst reaches the device under the connection's plug (so a mirror sends them to its
+/// peer in batches, not one by one), also those the server keeps in its in-flight set
+/// beyond the 61 futures a `futures_buffered` set polls before it yields (the server
+/// polls each request once, under the plug, before the set holds it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_that_arrive_together_start_under_one_plug() {
+    within(async {
+        let probe = common::PlugProbe::new();
+        let srv = serve(vec![Export::new("vol0", probe.clone())]).await;
+        let mut raw = Raw::attach(&srv.addr, "vol0").await;
+        const N: u64 = 100;
+        let mut b = Vec::new();
+        for i in 0..N {
+            b.extend_from_slice(&req(CMD_WRITE, 0, i, i * 4096, 4096).encode());
+            b.extend_from_slice(&pattern(i as u8, i * 4096, 4096));
+        }
+        raw.send(&b).await;
+        for _ in 0..N {
+            let (errno, _) = raw.reply().await;
+            assert_eq!(errno, 0);
+        }
+        for i in 0..N {
+            let got = probe.read(i * 4096, 4096).await.unwrap();
+            assert!(got == pattern(i as u8, i * 4096, 4096), "write {i}");
+        }
+        let st = probe.state.lock().unwrap();
+        assert_eq!(
+            (st.plugged, st.unplugged),
+            (N, 0),
+            "every write of the burst started under a plug"
+        );
+        assert!(st.batches >= 1, "the burst went through an unplug");
+    })
+    .await;
+}

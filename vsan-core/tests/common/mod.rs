@@ -1,7 +1,9 @@
 //! Helpers shared by the integration tests of `vsan-core`: test deadlines, data patterns,
 //! reading and filling device ranges, [`Held`] (a device that parks operations), an
-//! in-process NBD server ([`serve`]) and [`Raw`], a client that speaks raw NBD bytes so a
-//! test can check the wire byte by byte or send what no real client would.
+//! in-process NBD server ([`serve`]), [`Raw`], a client that speaks raw NBD bytes so a
+//! test can check the wire byte by byte or send what no real client would, and
+//! [`PlugProbe`], a device that batches writes under a plug as a mirror does and counts
+//! which writes a front door started under one.
 // Every test binary compiles this module on its own and uses a different part of it, so
 // what one of them leaves unused is not dead code.
 #![allow(dead_code)]
@@ -500,5 +502,102 @@ pub fn req(kind: u16, flags: u16, cookie: u64, offset: u64, length: u32) -> Requ
         cookie,
         offset,
         length,
+    }
+}
+
+/// A device that batches the way a mirror does: a write started while a
+/// [`Plug`](vsan_core::plug::Plug) is held waits for the unplug; one started without a
+/// plug is carried out at once. It counts which of the two each write was.
+pub struct PlugProbe {
+    me: std::sync::Weak<PlugProbe>,
+    inner: MemDevice,
+    pub state: std::sync::Mutex<ProbeState>,
+}
+
+#[derive(Default)]
+pub struct ProbeState {
+    /// Writes waiting for the unplug.
+    pub queued: Vec<tokio::sync::oneshot::Sender<()>>,
+    /// Writes started under a plug.
+    pub plugged: u64,
+    /// Writes started without one.
+    pub unplugged: u64,
+    /// Unplugs that released at least one write.
+    pub batches: u64,
+}
+
+impl PlugProbe {
+    /// A probe over a fresh [`SIZE`]-byte memory device of [`BS`]-byte blocks.
+    pub fn new() -> Arc<PlugProbe> {
+        Arc::new_cyclic(|me| PlugProbe {
+            me: me.clone(),
+            inner: MemDevice::new(Geometry::new(SIZE, BS as u32).unwrap()),
+            state: Default::default(),
+        })
+    }
+}
+
+impl vsan_core::plug::Unplug for PlugProbe {
+    fn unplug(&self) {
+        let mut st = self.state.lock().unwrap();
+        if !st.queued.is_empty() {
+            st.batches += 1;
+        }
+        for tx in st.queued.drain(..) {
+            let _ = tx.send(());
+        }
+    }
+}
+
+impl BlockDevice for PlugProbe {
+    fn geometry(&self) -> Geometry {
+        self.inner.geometry()
+    }
+    fn read(&self, offset: u64, len: usize) -> vsan_core::IoFuture<'_, Bytes> {
+        self.inner.read(offset, len)
+    }
+    fn write(
+        &self,
+        offset: u64,
+        data: Bytes,
+        flags: vsan_core::IoFlags,
+    ) -> vsan_core::IoFuture<'_, ()> {
+        Box::pin(async move {
+            // (On the first poll, as a mirror's request submits itself.)
+            let me = self.me.upgrade().expect("the probe is alive");
+            let wait = if vsan_core::plug::defer(&me) {
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                let mut st = self.state.lock().unwrap();
+                st.queued.push(tx);
+                st.plugged += 1;
+                Some(rx)
+            } else {
+                self.state.lock().unwrap().unplugged += 1;
+                None
+            };
+            if let Some(rx) = wait {
+                rx.await.expect("the unplug releases every queued write");
+            }
+            self.inner.write(offset, data, flags).await
+        })
+    }
+    fn flush(&self) -> vsan_core::IoFuture<'_, ()> {
+        self.inner.flush()
+    }
+    fn discard(
+        &self,
+        offset: u64,
+        len: u64,
+        flags: vsan_core::IoFlags,
+    ) -> vsan_core::IoFuture<'_, ()> {
+        self.inner.discard(offset, len, flags)
+    }
+    fn write_zeroes(
+        &self,
+        offset: u64,
+        len: u64,
+        flags: vsan_core::IoFlags,
+    ) -> vsan_core::IoFuture<'_, ()> {
+        self.inner.write_zeroes(offset, len, flags)
     }
 }
