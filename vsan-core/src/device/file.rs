@@ -348,24 +348,31 @@ impl BlockDevice for FileDevice {
         if let Some(r) = self.try_write_now(offset, &data, flags) {
             return done(r);
         }
-        let fua = flags.contains(IoFlags::FUA);
-        blocking(&self.inner, move |i| i.write_at(offset, &data, fua))
-    }
-
-    /// Buffered writes without FUA (a `pwrite` into the page cache) and requests that
-    /// fail validation; O_DIRECT and FUA writes wait for the disk, on the blocking pool.
-    fn try_write_now(&self, offset: u64, data: &Bytes, flags: IoFlags) -> Option<Result<()>> {
         if let Err(e) = self
             .inner
             .geometry
             .validate(Op::Write, offset, data.len() as u64)
         {
-            return Some(Err(e));
+            return ready(Err(e));
         }
+        let fua = flags.contains(IoFlags::FUA);
+        blocking(&self.inner, move |i| i.write_at(offset, &data, fua))
+    }
+
+    /// Buffered writes without FUA (a `pwrite` into the page cache), and their requests
+    /// that fail validation; O_DIRECT and FUA writes wait for the disk, on the blocking
+    /// pool, so this leaves them (validation included) to `write`: a caller that falls
+    /// back to `write` (the mirror's driver) has them checked once.
+    fn try_write_now(&self, offset: u64, data: &Bytes, flags: IoFlags) -> Option<Result<()>> {
         if self.inner.direct || flags.contains(IoFlags::FUA) {
             return None;
         }
-        Some(self.inner.write_at(offset, data, false))
+        Some(
+            self.inner
+                .geometry
+                .validate(Op::Write, offset, data.len() as u64)
+                .and_then(|()| self.inner.write_at(offset, data, false)),
+        )
     }
 
     fn flush(&self) -> IoFuture<'_, ()> {

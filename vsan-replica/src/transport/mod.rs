@@ -232,6 +232,15 @@ impl Link {
     }
 }
 
+/// The frames of `msgs`, in order, for the link to `peer` (their heads share one buffer:
+/// [`crate::wire::encode_batch`]); a message the codec refuses fails the send with
+/// `InvalidArgument`, naming the peer. Every transport that encodes frames itself
+/// (the stream links, RDMA) sends through this.
+pub(crate) fn encode_frames(peer: &str, msgs: &[Message]) -> Result<Vec<crate::wire::Frame>> {
+    crate::wire::encode_batch(msgs)
+        .map_err(|e| Error::with_source(ErrorKind::InvalidArgument, format!("{peer}: send"), e))
+}
+
 /// What a link keeps of its first error, to report it again on every later call.
 pub(crate) fn remember(err: &Error) -> (ErrorKind, String) {
     let mut text = err.context().to_string();

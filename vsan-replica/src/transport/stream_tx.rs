@@ -33,8 +33,8 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use vsan_core::{Error, ErrorKind, IoFuture, Result};
 
-use super::{LinkTx, QueueDepth, remember};
-use crate::wire::{self, Frame, Message};
+use super::{LinkTx, QueueDepth, encode_frames, remember};
+use crate::wire::{Frame, Message};
 
 /// What a byte-stream transport supplies to [`StreamTx`]: its end of the stream.
 ///
@@ -272,23 +272,6 @@ impl<S: StreamSink> StreamTx<S> {
 }
 
 impl<S: StreamSink> SendSide<S> {
-    fn encode(&self, msg: &Message) -> Result<Frame> {
-        wire::encode(msg).map_err(|e| self.unencodable(e))
-    }
-
-    /// [`Self::encode`] for the messages of one batch (their heads share a buffer).
-    fn encode_batch(&self, msgs: &[Message]) -> Result<Vec<Frame>> {
-        wire::encode_batch(msgs).map_err(|e| self.unencodable(e))
-    }
-
-    fn unencodable(&self, e: wire::WireError) -> Error {
-        Error::with_source(
-            ErrorKind::InvalidArgument,
-            format!("{}: send", self.peer),
-            e,
-        )
-    }
-
     /// Records `err` as the link's failure unless it has one; returns it.
     fn fail(&self, st: &mut SendState, err: Error) -> Error {
         if st.q.failed.is_none() {
@@ -501,14 +484,14 @@ async fn write_loop<S: StreamSink>(side: Arc<SendSide<S>>) {
 impl<S: StreamSink> LinkTx for StreamTx<S> {
     fn send(&self, msg: Message) -> IoFuture<'_, ()> {
         Box::pin(async move {
-            let frame = self.side.encode(&msg)?;
-            self.side.send(vec![frame]).await
+            let frames = encode_frames(&self.side.peer, std::slice::from_ref(&msg))?;
+            self.side.send(frames).await
         })
     }
 
     fn send_batch(&self, msgs: Vec<Message>) -> IoFuture<'_, ()> {
         Box::pin(async move {
-            let frames = self.side.encode_batch(&msgs)?;
+            let frames = encode_frames(&self.side.peer, &msgs)?;
             if frames.is_empty() {
                 return Ok(());
             }

@@ -19,7 +19,7 @@ use vsan_core::{Error, ErrorKind, IoFuture, Result};
 
 use super::engine::{Engine, Verbs};
 use crate::transport::auth::{self, Role};
-use crate::transport::{Link, LinkRx, LinkTx, QueueDepth, SharedSecret};
+use crate::transport::{Link, LinkRx, LinkTx, QueueDepth, SharedSecret, encode_frames};
 use crate::wire;
 use crate::wire::Message;
 
@@ -223,30 +223,13 @@ impl<V: Verbs> RdmaTx<V> {
             progress.await;
         }
     }
-
-    fn encode(&self, msg: &Message) -> Result<wire::Frame> {
-        wire::encode(msg).map_err(|e| self.unencodable(e))
-    }
-
-    /// [`Self::encode`] for the messages of one batch (their heads share a buffer).
-    fn encode_batch(&self, msgs: &[Message]) -> Result<Vec<wire::Frame>> {
-        wire::encode_batch(msgs).map_err(|e| self.unencodable(e))
-    }
-
-    fn unencodable(&self, e: wire::WireError) -> Error {
-        Error::with_source(
-            ErrorKind::InvalidArgument,
-            format!("{}: send", self.shared.peer),
-            e,
-        )
-    }
 }
 
 impl<V: Verbs> LinkTx for RdmaTx<V> {
     fn send(&self, msg: Message) -> IoFuture<'_, ()> {
         Box::pin(async move {
-            let frame = self.encode(&msg)?;
-            if self.enqueue(vec![frame])? {
+            let frames = encode_frames(&self.shared.peer, std::slice::from_ref(&msg))?;
+            if self.enqueue(frames)? {
                 self.wait_for_room().await?;
             }
             Ok(())
@@ -255,7 +238,7 @@ impl<V: Verbs> LinkTx for RdmaTx<V> {
 
     fn send_batch(&self, msgs: Vec<Message>) -> IoFuture<'_, ()> {
         Box::pin(async move {
-            let frames = self.encode_batch(&msgs)?;
+            let frames = encode_frames(&self.shared.peer, &msgs)?;
             if self.enqueue(frames)? {
                 self.wait_for_room().await?;
             }
