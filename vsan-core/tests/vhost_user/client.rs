@@ -16,10 +16,24 @@ pub struct Client {
 impl Client {
     /// Connect to `path` with `queues` queues and `buf_len` bytes of shared buffers.
     pub fn connect(path: &Path, queues: i32, buf_len: usize) -> blkio::Result<Client> {
+        Client::connect_sized(path, queues, buf_len, None)
+    }
+
+    /// [`Client::connect`] with `queue_size` descriptors per queue instead of libblkio's
+    /// default.
+    pub fn connect_sized(
+        path: &Path,
+        queues: i32,
+        buf_len: usize,
+        queue_size: Option<i32>,
+    ) -> blkio::Result<Client> {
         let mut blkio = Blkio::new("virtio-blk-vhost-user")?;
         blkio.set_str("path", path.to_str().expect("utf-8 path"))?;
         blkio.connect()?;
         blkio.set_i32("num-queues", queues)?;
+        if let Some(size) = queue_size {
+            blkio.set_i32("queue-size", size)?;
+        }
         let started = blkio.start()?;
         let region = blkio.alloc_mem_region(buf_len)?;
         blkio.map_mem_region(&region)?;

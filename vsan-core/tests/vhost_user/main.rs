@@ -4,6 +4,8 @@
 #![cfg(target_os = "linux")]
 
 mod client;
+#[path = "../common/mod.rs"]
+mod common;
 mod hostile;
 
 use std::collections::HashMap;
@@ -597,4 +599,61 @@ fn only_a_stale_socket_is_replaced_at_the_path() {
     drop(c);
     export.shutdown();
     assert!(!live.exists());
+}
+
+/// Chains the front end offers together start together: the worker pops them all, then
+/// polls their requests under one plug, so a device that batches (a mirror) carries
+/// them out at the unplug with one send. 100 writes offered with one kick must all
+/// start under the plug (a set that yields after so many polls, or a poll outside the
+/// plug, would start the rest one by one).
+#[test]
+fn chains_offered_together_start_under_one_plug() {
+    const N: usize = 100;
+    const BLOCK: usize = 4096;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("probe.vhost");
+    let probe = common::PlugProbe::new();
+    // A ring with room for all of them at once (a write takes three descriptors).
+    let options = VhostUserOptions {
+        queue_size: 1024,
+        ..opts(1)
+    };
+    let export =
+        VhostUserExport::start(&path, probe.clone(), options, rt.handle().clone()).unwrap();
+    let mut c = Client::connect_sized(&path, 1, N * BLOCK, Some(1024)).unwrap();
+    for i in 0..N {
+        let data = pattern(i as u64, BLOCK);
+        c.buf()[i * BLOCK..(i + 1) * BLOCK].copy_from_slice(&data);
+        let p = c.ptr(i * BLOCK);
+        c.queues[0].write((i * BLOCK) as u64, p, BLOCK, i, ReqFlags::empty());
+    }
+    // One do_io offers all of them, then waits for their completions.
+    let mut done = 0;
+    while done < N {
+        for (slot, ret) in c.wait(0, 1) {
+            assert_eq!(ret, 0, "write {slot}");
+            done += 1;
+        }
+    }
+    for i in 0..N {
+        let back = rt.block_on(probe.read((i * BLOCK) as u64, BLOCK)).unwrap();
+        assert_eq!(&back[..], &pattern(i as u64, BLOCK)[..], "block {i}");
+    }
+    let (plugged, unplugged, batches) = {
+        let st = probe.state.lock().unwrap();
+        (st.plugged, st.unplugged, st.batches)
+    };
+    assert_eq!(
+        (plugged, unplugged),
+        (N as u64, 0),
+        "every write offered with the one kick started under a plug"
+    );
+    assert!(batches >= 1, "the writes went through an unplug");
+    drop(c);
+    export.shutdown();
 }
