@@ -404,3 +404,112 @@ async fn device_panics(inline: bool) {
     within("close node 1", d1.close()).await.unwrap();
     within("close node 2", d2.close()).await.unwrap();
 }
+
+/// Node 2's data device: once armed, its ninth write waits (up to a few seconds) for
+/// node 1 to have completed a write of the batch, and records whether one had.
+struct AckProbe {
+    inner: Arc<MemDevice>,
+    armed: std::sync::atomic::AtomicBool,
+    writes: std::sync::atomic::AtomicUsize,
+    /// Node 1's writes completed so far (counted by the test).
+    node1_done: Arc<std::sync::atomic::AtomicUsize>,
+    /// Node 1's completed writes when node 2's ninth write began.
+    seen_at_ninth: std::sync::Mutex<Option<usize>>,
+}
+
+impl AckProbe {
+    fn on_write(&self) {
+        use std::sync::atomic::Ordering::SeqCst;
+        if !self.armed.load(SeqCst) || self.writes.fetch_add(1, SeqCst) + 1 != 9 {
+            return;
+        }
+        // Node 2's turn waits here with this worker handed over (so the runtime's I/O
+        // goes on elsewhere): node 1 completes whatever node 2 has acked by now.
+        tokio::task::block_in_place(|| {
+            let until = std::time::Instant::now() + Duration::from_secs(3);
+            while self.node1_done.load(SeqCst) == 0 && std::time::Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        });
+        *self.seen_at_ninth.lock().unwrap() = Some(self.node1_done.load(SeqCst));
+    }
+}
+
+impl BlockDevice for AckProbe {
+    fn geometry(&self) -> Geometry {
+        self.inner.geometry()
+    }
+    fn read(&self, offset: u64, len: usize) -> vsan_core::IoFuture<'_, Bytes> {
+        self.inner.read(offset, len)
+    }
+    fn write(&self, offset: u64, data: Bytes, flags: IoFlags) -> vsan_core::IoFuture<'_, ()> {
+        self.on_write();
+        self.inner.write(offset, data, flags)
+    }
+    fn try_write_now(
+        &self,
+        offset: u64,
+        data: &Bytes,
+        flags: IoFlags,
+    ) -> Option<vsan_core::Result<()>> {
+        self.on_write();
+        self.inner.try_write_now(offset, data, flags)
+    }
+    fn flush(&self) -> vsan_core::IoFuture<'_, ()> {
+        self.inner.flush()
+    }
+    fn discard(&self, offset: u64, len: u64, flags: IoFlags) -> vsan_core::IoFuture<'_, ()> {
+        self.inner.discard(offset, len, flags)
+    }
+    fn write_zeroes(&self, offset: u64, len: u64, flags: IoFlags) -> vsan_core::IoFuture<'_, ()> {
+        self.inner.write_zeroes(offset, len, flags)
+    }
+}
+
+/// A peer that receives a batch of writes acks the first ones before it carries out the
+/// rest (a turn's local I/O runs a few operations at a time, each step's acks sent
+/// before the next step), so the exporting node completes the batch's first writes
+/// while its peer still writes the others: 16 writes started under one plug on node 1;
+/// when node 2 starts its ninth, node 1 has completed some of the first eight.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_acks_the_first_writes_of_a_batch_before_it_writes_the_rest() {
+    use futures_util::StreamExt;
+    use std::sync::atomic::Ordering::SeqCst;
+    let _dog = watchdog("a batch of writes");
+    let (m1, m2) = (mem(), mem());
+    let node1_done = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let probe = Arc::new(AckProbe {
+        inner: Arc::clone(&m2),
+        armed: false.into(),
+        writes: 0.into(),
+        node1_done: Arc::clone(&node1_done),
+        seen_at_ninth: None.into(),
+    });
+    let (d1, d2) = pair_on(Arc::clone(&m1) as _, Arc::clone(&probe) as _).await;
+    probe.armed.store(true, SeqCst);
+    let mut writes: Vec<_> = (0..16)
+        .map(|i| d1.write(i * BLOCK as u64, block(i), IoFlags::empty()))
+        .collect();
+    {
+        let _plug = Plug::new();
+        let mut cx = Context::from_waker(Waker::noop());
+        for w in &mut writes {
+            let _ = w.as_mut().poll(&mut cx);
+        }
+    }
+    let mut writes: futures_util::stream::FuturesUnordered<_> = writes.into_iter().collect();
+    while let Some(r) = within("a write of the batch", writes.next()).await {
+        r.unwrap();
+        node1_done.fetch_add(1, SeqCst);
+    }
+    for i in 0..16 {
+        assert_eq!(peek(&m2, i), block(i), "block {i} on node 2");
+    }
+    let seen = probe.seen_at_ninth.lock().unwrap().take();
+    assert!(
+        seen.is_some_and(|n| n > 0),
+        "node 1 had completed {seen:?} writes when node 2 started its ninth"
+    );
+    within("close node 1", d1.close()).await.unwrap();
+    within("close node 2", d2.close()).await.unwrap();
+}

@@ -175,10 +175,12 @@ impl Shared {
 
     /// One turn: carry out everything the endpoint has queued (messages to the link,
     /// local I/O started, events), feed back what completed at once, until nothing
-    /// moves; then publish progress and status. Local I/O a turn starts runs once with
-    /// the lock released (page-cache I/O completes right there, and nobody else waits
-    /// behind it); what does not complete joins `running`, polled with `cx`'s waker.
-    /// Completions wait in `completed` for [`Core::take_completions`].
+    /// moves; then publish progress and status. Local I/O a turn starts runs with the
+    /// lock released, [`LOCAL_IO_PER_STEP`] operations at a time in the order the
+    /// endpoint started them (page-cache I/O completes right there, and nobody else
+    /// waits behind it), their results fed back and the messages they produced sent
+    /// before the next ones start; what does not complete joins `running`, polled with
+    /// `cx`'s waker. Completions wait in `completed` for [`Core::take_completions`].
     fn turn<'a>(
         &'a self,
         mut core: MutexGuard<'a, Core>,
@@ -205,8 +207,9 @@ impl Shared {
             let mut finished = std::mem::take(&mut core.finished);
             let mut pending = std::mem::take(&mut core.pending);
             let (local, meta) = (Arc::clone(&core.local), Arc::clone(&core.meta));
+            let step = fresh.len().min(LOCAL_IO_PER_STEP);
             MutexGuard::unlocked(&mut core, || {
-                for f in fresh.drain(..) {
+                for f in fresh.drain(..step) {
                     let mut fut = match f {
                         Fresh::Io(io) => match local_now(&self.name, &*local, &io) {
                             Some(done) => {
@@ -236,6 +239,7 @@ impl Shared {
             }
             pending.clear();
             finished.clear();
+            fresh.append(&mut core.fresh);
             core.fresh = fresh;
             core.finished = finished;
             core.pending = pending;
@@ -264,6 +268,16 @@ impl Shared {
         core
     }
 }
+
+/// Local operations a turn carries out before it feeds their results back to the
+/// endpoint and sends what that produced. A peer that received a batch of 32 writes acks
+/// the first eight while it writes the rest, instead of all 32 after the last, so the
+/// exporting node answers its clients and takes their next requests while its peer is
+/// still busy: a pipeline instead of a lock-step of whole batches. Measured with fio
+/// over NBD (4 KiB random writes at depth 32, both nodes on two cores): about a tenth
+/// more mirrored writes per second at no more CPU per write, 9 runs of 9 ahead of
+/// carrying out the whole batch first (BENCHMARKS.md); 2 and 16 were no better.
+const LOCAL_IO_PER_STEP: usize = 8;
 
 impl vsan_core::plug::Unplug for Shared {
     fn unplug(&self) {
