@@ -296,6 +296,33 @@ async fn a_scsi_handler_may_do_io_on_its_own_mirror() {
     within("close node 1", d1.close()).await.unwrap();
 }
 
+/// The `BlockDevice` methods a test device passes to its `inner` device unchanged (all
+/// but `write` and `try_write_now`, which the devices below intercept).
+macro_rules! delegate_to_inner {
+    () => {
+        fn geometry(&self) -> Geometry {
+            self.inner.geometry()
+        }
+        fn read(&self, offset: u64, len: usize) -> vsan_core::IoFuture<'_, Bytes> {
+            self.inner.read(offset, len)
+        }
+        fn flush(&self) -> vsan_core::IoFuture<'_, ()> {
+            self.inner.flush()
+        }
+        fn discard(&self, offset: u64, len: u64, flags: IoFlags) -> vsan_core::IoFuture<'_, ()> {
+            self.inner.discard(offset, len, flags)
+        }
+        fn write_zeroes(
+            &self,
+            offset: u64,
+            len: u64,
+            flags: IoFlags,
+        ) -> vsan_core::IoFuture<'_, ()> {
+            self.inner.write_zeroes(offset, len, flags)
+        }
+    };
+}
+
 /// A data device whose first write at `PANIC_AT` panics (a device bug): in its
 /// future, or, with `inline`, in `try_write_now` (the driver's path for writes a device
 /// carries out at once).
@@ -308,12 +335,7 @@ struct PanickingDevice {
 const PANIC_AT: u64 = 5 * BLOCK as u64;
 
 impl BlockDevice for PanickingDevice {
-    fn geometry(&self) -> Geometry {
-        self.inner.geometry()
-    }
-    fn read(&self, offset: u64, len: usize) -> vsan_core::IoFuture<'_, Bytes> {
-        self.inner.read(offset, len)
-    }
+    delegate_to_inner!();
     fn write(&self, offset: u64, data: Bytes, flags: IoFlags) -> vsan_core::IoFuture<'_, ()> {
         if !self.inline
             && offset == PANIC_AT
@@ -336,15 +358,6 @@ impl BlockDevice for PanickingDevice {
             panic!("a device bug");
         }
         self.inner.try_write_now(offset, data, flags)
-    }
-    fn flush(&self) -> vsan_core::IoFuture<'_, ()> {
-        self.inner.flush()
-    }
-    fn discard(&self, offset: u64, len: u64, flags: IoFlags) -> vsan_core::IoFuture<'_, ()> {
-        self.inner.discard(offset, len, flags)
-    }
-    fn write_zeroes(&self, offset: u64, len: u64, flags: IoFlags) -> vsan_core::IoFuture<'_, ()> {
-        self.inner.write_zeroes(offset, len, flags)
     }
 }
 
@@ -436,12 +449,7 @@ impl AckProbe {
 }
 
 impl BlockDevice for AckProbe {
-    fn geometry(&self) -> Geometry {
-        self.inner.geometry()
-    }
-    fn read(&self, offset: u64, len: usize) -> vsan_core::IoFuture<'_, Bytes> {
-        self.inner.read(offset, len)
-    }
+    delegate_to_inner!();
     fn write(&self, offset: u64, data: Bytes, flags: IoFlags) -> vsan_core::IoFuture<'_, ()> {
         self.on_write();
         self.inner.write(offset, data, flags)
@@ -454,15 +462,6 @@ impl BlockDevice for AckProbe {
     ) -> Option<vsan_core::Result<()>> {
         self.on_write();
         self.inner.try_write_now(offset, data, flags)
-    }
-    fn flush(&self) -> vsan_core::IoFuture<'_, ()> {
-        self.inner.flush()
-    }
-    fn discard(&self, offset: u64, len: u64, flags: IoFlags) -> vsan_core::IoFuture<'_, ()> {
-        self.inner.discard(offset, len, flags)
-    }
-    fn write_zeroes(&self, offset: u64, len: u64, flags: IoFlags) -> vsan_core::IoFuture<'_, ()> {
-        self.inner.write_zeroes(offset, len, flags)
     }
 }
 
