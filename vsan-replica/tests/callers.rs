@@ -468,7 +468,8 @@ impl BlockDevice for AckProbe {
 /// A peer that receives a batch of writes acks the first ones before it carries out the
 /// rest (a turn's local I/O runs a few operations at a time, each step's acks sent
 /// before the next step), so the exporting node completes the batch's first writes
-/// while its peer still writes the others: 16 writes started under one plug on node 1;
+/// while its peer still writes the others: 12 writes started under one plug on node 1
+/// (about 49 KiB of frames: one read of the link, so node 2 has them all in one turn);
 /// when node 2 starts its ninth, node 1 has completed some of the first eight.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_acks_the_first_writes_of_a_batch_before_it_writes_the_rest() {
@@ -486,7 +487,8 @@ async fn a_peer_acks_the_first_writes_of_a_batch_before_it_writes_the_rest() {
     });
     let (d1, d2) = pair_on(Arc::clone(&m1) as _, Arc::clone(&probe) as _).await;
     probe.armed.store(true, SeqCst);
-    let mut writes: Vec<_> = (0..16)
+    const BATCH: u64 = 12;
+    let mut writes: Vec<_> = (0..BATCH)
         .map(|i| d1.write(i * BLOCK as u64, block(i), IoFlags::empty()))
         .collect();
     {
@@ -501,7 +503,7 @@ async fn a_peer_acks_the_first_writes_of_a_batch_before_it_writes_the_rest() {
         r.unwrap();
         node1_done.fetch_add(1, SeqCst);
     }
-    for i in 0..16 {
+    for i in 0..BATCH {
         assert_eq!(peek(&m2, i), block(i), "block {i} on node 2");
     }
     let seen = probe.seen_at_ninth.lock().unwrap().take();

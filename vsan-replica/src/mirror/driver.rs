@@ -351,7 +351,9 @@ pub(super) struct Core {
     pub(super) sending: Option<SendFuture>,
     pub(super) backlog: VecDeque<Message>,
     pub(super) running: FuturesUnordered<LocalFuture>,
-    /// Local I/O started in this turn, run (once) with the lock released.
+    /// Local I/O the endpoint started and no turn has carried out yet, in the order it
+    /// started them; a turn runs it [`LOCAL_IO_PER_STEP`] at a time with the lock
+    /// released (what a stopped driver left here never runs).
     pub(super) fresh: Vec<Fresh>,
     /// What of `fresh` completed at once.
     pub(super) finished: Vec<(LocalOpId, LocalResult)>,
