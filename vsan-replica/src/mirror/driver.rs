@@ -354,7 +354,7 @@ pub(super) struct Core {
     /// Local I/O the endpoint started and no turn has carried out yet, in the order it
     /// started them; a turn runs it [`LOCAL_IO_PER_STEP`] at a time with the lock
     /// released (what a stopped driver left here never runs).
-    pub(super) fresh: Vec<Fresh>,
+    pub(super) fresh: VecDeque<Fresh>,
     /// What of `fresh` completed at once.
     pub(super) finished: Vec<(LocalOpId, LocalResult)>,
     /// What of `fresh` did not, on its way to `running` (kept for its allocation).
@@ -868,13 +868,14 @@ impl Core {
                 moved = true;
                 #[cfg(feature = "failpoints")]
                 if let Some((op, kind)) = self.points.local_io(&io) {
-                    self.fresh.push(Fresh::Started(Box::pin(std::future::ready((
-                        op,
-                        Err(kind),
-                    )))));
+                    self.fresh
+                        .push_back(Fresh::Started(Box::pin(std::future::ready((
+                            op,
+                            Err(kind),
+                        )))));
                     continue;
                 }
-                self.fresh.push(Fresh::Io(io));
+                self.fresh.push_back(Fresh::Io(io));
             }
             while let Some(ev) = self.stale_events.pop_front() {
                 moved = true;

@@ -301,7 +301,7 @@ impl MirroredDisk {
             sending: None,
             backlog: VecDeque::new(),
             running: FuturesUnordered::new(),
-            fresh: Vec::new(),
+            fresh: VecDeque::new(),
             finished: Vec::new(),
             pending: Vec::new(),
             scsi: Arc::clone(&scsi),
